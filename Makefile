@@ -1,0 +1,31 @@
+# A newcomer's two commands: `make run` and `make test`. Both create .venv when it is absent.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+FLAGFILE ?= launch/flags/cpu_tiny.flags
+
+.PHONY: run test lint bench clean
+
+# torch is installed first and pinned: on the CPU machines this takes the CPU build on disk,
+# and the later install sees torch satisfied, so no CUDA build is ever pulled.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m launch.main --flagfile=$(FLAGFILE)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,183 @@
+"""Command-line flags (absl) and their translation into frozen configs.
+
+Flags are read in exactly one place, `configs_from_flags`; everything below the
+shell receives plain frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+
+from miles_fn.config import ModelConfig
+from miles_fn.optim import OptimConfig
+from miles_fn.sampling import SamplingConfig
+from miles_fn.train import PolicyLossConfig
+
+FLAGS = flags.FLAGS
+
+# Run
+flags.DEFINE_integer("seed", 0, "Root seed; every random draw of the run derives from it.", lower_bound=0)
+flags.DEFINE_integer("num_steps", 100, "RL steps (rollout + update).", lower_bound=0)
+flags.DEFINE_string("output_dir", "runs/default", "Where metrics, checkpoints and plots go.")
+flags.DEFINE_integer("save_every", 0, "Checkpoint every N steps (0 = only at the end).", lower_bound=0)
+flags.DEFINE_integer("num_threads", 2, "torch intra-op threads.", lower_bound=1)
+flags.DEFINE_boolean("deterministic", True, "torch.use_deterministic_algorithms and fixed threading.")
+flags.DEFINE_boolean("tensorboard", True, "Also write TensorBoard event files.")
+flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+
+# Model
+flags.DEFINE_string("hf_checkpoint", "", "Start from this Hugging Face checkpoint directory instead of a random init.")
+flags.DEFINE_integer("hidden_size", 128, "Hidden size of a randomly initialised model.", lower_bound=8)
+flags.DEFINE_integer("intermediate_size", 384, "MLP size of a randomly initialised model.", lower_bound=8)
+flags.DEFINE_integer("num_layers", 2, "Layers of a randomly initialised model.", lower_bound=1)
+flags.DEFINE_integer("num_heads", 4, "Attention heads of a randomly initialised model.", lower_bound=1)
+flags.DEFINE_integer("num_kv_heads", 2, "Key/value heads of a randomly initialised model.", lower_bound=1)
+flags.DEFINE_enum("model_type", "qwen2", ["qwen2", "llama"], "Architecture of a randomly initialised model.")
+flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
+
+# Task
+flags.DEFINE_enum("task", "addition", ["addition"], "The built-in task.")
+flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task.", lower_bound=1, upper_bound=6)
+flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = start and end only).", lower_bound=0)
+flags.DEFINE_integer("eval_size", 256, "Held-out prompts per evaluation.", lower_bound=1)
+
+# Rollout
+flags.DEFINE_integer("prompts_per_step", 32, "Prompts per RL step.", lower_bound=1)
+flags.DEFINE_integer("group_size", 8, "Samples per prompt (the GRPO group).", lower_bound=1)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).", lower_bound=0)
+flags.DEFINE_integer("max_new_tokens", 0, "Response length cap (0 = what the task needs).", lower_bound=0)
+
+# Optimisation
+flags.DEFINE_float("lr", 1e-3, "Peak learning rate of the RL phase.", lower_bound=0.0)
+flags.DEFINE_float("min_lr", 0.0, "Final learning rate of the cosine decay.", lower_bound=0.0)
+flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps.", lower_bound=0)
+flags.DEFINE_integer("decay_steps", 0, "Cosine decay steps after warm-up (0 = constant).", lower_bound=0)
+flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
+flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off).", lower_bound=0.0)
+flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
+
+# Loss
+flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
+flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
+flags.DEFINE_float("kl_coef", 0.0, "Weight of the k3 KL to the initial policy (0 = no reference model).", lower_bound=0.0)
+flags.DEFINE_enum("loss_agg", "token_mean", ["token_mean", "seq_mean_token_mean"], "Loss aggregation.")
+flags.DEFINE_boolean("normalize_advantage_std", True, "GRPO std normalisation (off = Dr. GRPO).")
+
+# Supervised warm-up
+flags.DEFINE_integer("sft_warmup_steps", 0, "Supervised steps on task answers before RL (reported).", lower_bound=0)
+flags.DEFINE_integer("sft_batch_size", 64, "Examples per supervised step.", lower_bound=1)
+flags.DEFINE_float("sft_lr", 1e-3, "Learning rate of the supervised warm-up.", lower_bound=0.0)
+
+
+flags.register_multi_flags_validator(
+    ["num_heads", "num_kv_heads"],
+    lambda v: v["num_heads"] % v["num_kv_heads"] == 0,
+    "--num_heads must be a multiple of --num_kv_heads",
+)
+flags.register_multi_flags_validator(
+    ["hidden_size", "num_heads"],
+    lambda v: v["hidden_size"] % v["num_heads"] == 0,
+    "--hidden_size must divide by --num_heads",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    num_steps: int
+    output_dir: str
+    save_every: int
+    num_threads: int
+    deterministic: bool
+    tensorboard: bool
+    progress: bool
+    hf_checkpoint: str
+    init_std: float
+    task_digits: int
+    eval_every: int
+    eval_size: int
+    prompts_per_step: int
+    group_size: int
+    normalize_advantage_std: bool
+    sft_warmup_steps: int
+    sft_batch_size: int
+    model: ModelConfig
+    sampling: SamplingConfig
+    optim: OptimConfig
+    sft_optim: OptimConfig
+    loss: PolicyLossConfig
+
+
+def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
+    f = FLAGS
+    model = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=f.hidden_size,
+        intermediate_size=f.intermediate_size,
+        num_layers=f.num_layers,
+        num_heads=f.num_heads,
+        num_kv_heads=f.num_kv_heads,
+        model_type=f.model_type,
+        attention_bias=f.model_type == "qwen2",
+        max_position_embeddings=64,
+    )
+    sampling = SamplingConfig(
+        temperature=f.temperature,
+        top_k=f.top_k,
+        top_p=f.top_p,
+        max_new_tokens=f.max_new_tokens or default_max_new,
+        stop_token_ids=stop_token_ids,
+    )
+    optim = OptimConfig(
+        lr=f.lr,
+        min_lr=f.min_lr,
+        warmup_steps=f.warmup_steps,
+        decay_steps=f.decay_steps,
+        beta1=f.adam_beta1,
+        beta2=f.adam_beta2,
+        weight_decay=f.weight_decay,
+        max_grad_norm=f.max_grad_norm,
+    )
+    loss = PolicyLossConfig(
+        eps_clip=f.eps_clip,
+        eps_clip_high=None if f.eps_clip_high < 0 else f.eps_clip_high,
+        kl_coef=f.kl_coef,
+        loss_agg=f.loss_agg,
+        temperature=sampling.logprob_temperature,
+    )
+    return RunConfig(
+        seed=f.seed,
+        num_steps=f.num_steps,
+        output_dir=f.output_dir,
+        save_every=f.save_every,
+        num_threads=f.num_threads,
+        deterministic=f.deterministic,
+        tensorboard=f.tensorboard,
+        progress=f.progress,
+        hf_checkpoint=f.hf_checkpoint,
+        init_std=f.init_std,
+        task_digits=f.task_digits,
+        eval_every=f.eval_every,
+        eval_size=f.eval_size,
+        prompts_per_step=f.prompts_per_step,
+        group_size=f.group_size,
+        normalize_advantage_std=f.normalize_advantage_std,
+        sft_warmup_steps=f.sft_warmup_steps,
+        sft_batch_size=f.sft_batch_size,
+        model=model,
+        sampling=sampling,
+        optim=optim,
+        sft_optim=dataclasses.replace(optim, lr=f.sft_lr, warmup_steps=0, decay_steps=0),
+        loss=loss,
+    )
+
+
+def flag_values_dict() -> dict[str, object]:
+    """The run's flags that this module defines, for checkpoint metadata and snapshots."""
+    names = [n for n, fl in FLAGS.__flags.items() if n == fl.name and FLAGS.find_module_defining_flag(n) == __name__]
+    return {n: FLAGS[n].value for n in sorted(names)}

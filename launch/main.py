@@ -1,0 +1,194 @@
+"""The main job: prompts -> rollout -> rewards -> advantages -> update -> weight sync, repeated.
+
+    python -m launch.main --flagfile=launch/flags/cpu_tiny.flags
+
+Every random draw comes from the root key of --seed: step s uses fold_in(root, s),
+split by purpose into data, rollout and train keys (K_* below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from absl import app, flags
+
+from launch import flags as run_flags
+from launch.engines.embedded import EmbeddedEngine
+from launch.metrics import MetricsWriter, plot_curves, to_floats
+from miles_fn import model, prng, train
+from miles_fn.batching import pack_right_padded
+from miles_fn.rollout_buffer import build_rollout_buffer
+from miles_fn.sampling import SamplingConfig
+from miles_fn.tasks.addition import AdditionTask
+from state import checkpoint, hf
+from state.train_state import RolloutBuffer, TrainState
+from state.tree import tree_hash
+
+# Sub-keys of a step's key, by purpose. Fixed forever: changing one changes every run.
+K_DATA, K_ROLLOUT, K_TRAIN = 0, 1, 2
+INIT_STREAM, SFT_STREAM, EVAL_STREAM = 0x1417, 1 << 31, 0xE7A1
+
+
+class UserError(Exception):
+    """A bad input (file, checkpoint, flag combination): reported as one line, no traceback."""
+
+
+@dataclasses.dataclass
+class Job:
+    cfg: run_flags.RunConfig
+    task: AdditionTask
+    state: TrainState
+    engine: EmbeddedEngine
+    eval_pairs: list[tuple[int, int]]
+
+
+def setup_torch(cfg: run_flags.RunConfig) -> None:
+    torch.set_num_threads(cfg.num_threads)
+    torch.use_deterministic_algorithms(cfg.deterministic)
+
+
+def build(cfg: run_flags.RunConfig) -> Job:
+    task = AdditionTask(digits=cfg.task_digits)
+    root = prng.key(cfg.seed)
+    if cfg.hf_checkpoint:
+        try:
+            mcfg, params = hf.load_hf(cfg.hf_checkpoint)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"--hf_checkpoint={cfg.hf_checkpoint}: {e}") from e
+        if mcfg.vocab_size < task.tokenizer.vocab_size:
+            raise UserError(f"--hf_checkpoint={cfg.hf_checkpoint}: vocab {mcfg.vocab_size} is smaller than the "
+                            f"task tokenizer's {task.tokenizer.vocab_size}")
+        cfg = dataclasses.replace(cfg, model=mcfg)
+    else:
+        params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
+    state = train.init_state(params, root)
+    return Job(cfg, task, state, EmbeddedEngine(cfg.model, state.params), task.heldout_pairs(cfg.eval_size))
+
+
+def evaluate(job: Job) -> float:
+    """Exact-answer success rate of greedy decoding on the held-out prompts."""
+    task = job.task
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
+                            stop_token_ids=(task.tokenizer.eos_id,))
+    gen = job.engine.generate([task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
+    return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs)) / len(job.eval_pairs)
+
+
+def sft_batch(task: AdditionTask, key: prng.Key, n: int) -> RolloutBuffer:
+    prompts, answers = zip(*(task.sft_example(p) for p in task.sample_pairs(key, n)))
+    tokens, positions, seg, mask = pack_right_padded(list(prompts), list(answers))
+    zeros = torch.zeros_like(mask)
+    return RolloutBuffer(tokens, positions, seg, mask, zeros, zeros, torch.zeros(n), torch.zeros(n, dtype=torch.int64))
+
+
+def sft_warmup(job: Job) -> float:
+    """Supervised steps on task answers. The optimizer state carries into RL: restarting Adam
+    would make RL's first update a sign step of size lr on every weight."""
+    cfg, loss_fn, loss = job.cfg, train.make_sft_loss(job.cfg.model), float("nan")
+    stream = prng.fold_in(job.state.key, SFT_STREAM)
+    for s in range(cfg.sft_warmup_steps):
+        k = prng.fold_in(stream, s)
+        job.state, m = train.train_step(job.state, sft_batch(job.task, k, cfg.sft_batch_size), k, loss_fn,
+                                        cfg.sft_optim)
+        loss = float(m["loss"])
+    job.engine.update_weights(int(job.state.step), job.state.params)
+    return loss
+
+
+def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
+    cfg, task, g = job.cfg, job.task, job.cfg.group_size
+    pairs = task.sample_pairs(prng.fold_in(key, K_DATA), cfg.prompts_per_step)
+    prompts = [task.prompt_ids(*p) for p in pairs for _ in range(g)]
+    gen = job.engine.generate(prompts, prng.fold_in(key, K_ROLLOUT), cfg.sampling)
+    rewards = [task.reward(r, pairs[i // g]) for i, r in enumerate(gen.tokens)]
+    buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
+                               cfg.normalize_advantage_std)
+    if ref_params is not None:
+        with torch.no_grad():
+            ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
+                                          cfg.loss.temperature)
+        buf = buf._replace(ref_logprobs=ref)
+    n = len(gen.tokens)
+    stats = {
+        "reward_mean": buf.rewards.mean(),
+        "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
+        "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
+        "weight_version": torch.tensor(float(job.engine.version)),
+    }
+    return buf, stats
+
+
+def save_checkpoint(job: Job) -> None:
+    step = int(job.state.step)
+    path = checkpoint.step_dir(os.path.join(job.cfg.output_dir, "checkpoints"), step)
+    checkpoint.save(path, job.state, {"step": step, "flags": run_flags.flag_values_dict()})
+
+
+def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
+    setup_torch(cfg)
+    job = build(cfg)
+    cfg = job.cfg
+    writer = MetricsWriter(cfg.output_dir, cfg.tensorboard)
+    summary: dict[str, Any] = {"eval_success_init": evaluate(job)}
+    t0 = time.time()
+    if cfg.sft_warmup_steps:
+        summary["sft_final_loss"] = sft_warmup(job)
+    summary["sft_seconds"] = time.time() - t0
+    summary["eval_success_step0"] = last_eval = evaluate(job)
+    ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
+    loss_fn = train.make_grpo_loss(cfg.model, cfg.loss)
+    bar = _progress(cfg)
+    t_rl = time.time()
+    for step in range(cfg.num_steps):
+        t_step = time.time()
+        key = prng.fold_in(job.state.key, step)
+        buf, stats = rollout(job, key, ref_params)
+        t_roll = time.time()
+        job.state, metrics = train.train_step(job.state, buf, prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
+        job.engine.update_weights(int(job.state.step), job.state.params)
+        metrics = to_floats({**stats, **metrics})
+        metrics.update(time_rollout=t_roll - t_step, time_train=time.time() - t_roll)
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
+            metrics["eval_success"] = last_eval = evaluate(job)
+        writer.write(step + 1, metrics)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(job)
+        if bar is not None:
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", eval=f"{last_eval:.3f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    writer.close()
+    save_checkpoint(job)
+    plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
+    summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl, state_hash=tree_hash(job.state))
+    return summary
+
+
+def _progress(cfg: run_flags.RunConfig):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.num_steps, desc="rl", unit="step", dynamic_ncols=True)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+    task = AdditionTask(digits=flags.FLAGS.task_digits)
+    cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
+    try:
+        summary = run(cfg)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,93 @@
+"""Batched autoregressive generation with a KV cache, as a function of (params, prompts, key).
+
+Request i draws its token at step t from fold_in(fold_in(key, i), t), so what a
+request samples does not depend on which other requests share its batch.
+The cache is private to the call: nothing outside it is touched.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from miles_fn import model, prng
+from miles_fn.config import ModelConfig
+from miles_fn.sampling import SamplingConfig, sample
+
+
+class Generation(NamedTuple):
+    tokens: list[list[int]]  # response ids, the stop token included when one was hit
+    logprobs: list[list[float]]  # per response token, see SamplingConfig.logprob_temperature
+    finish_reasons: list[str]  # "stop" or "length"
+
+
+@torch.no_grad()
+def generate(
+    params: model.Params,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    key: prng.Key,
+    sampling: SamplingConfig,
+    request_ids: Sequence[int] | None = None,
+) -> Generation:
+    """Left-pad the prompts, prefill once, then decode one token per step for all live rows.
+
+    `request_ids` name each request's key stream (default: its index in `prompts`).
+    """
+    b = len(prompts)
+    if b == 0:
+        return Generation([], [], [])
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    lens = torch.tensor([len(p) for p in prompts])
+    lp = int(lens.max())
+    n_new = sampling.max_new_tokens
+    if lp + n_new > cfg.max_position_embeddings:
+        raise ValueError(
+            f"generate: prompt length {lp} + max_new_tokens {n_new} exceeds "
+            f"max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    total = lp + n_new
+    ids = torch.tensor(request_ids if request_ids is not None else range(b), dtype=torch.int64)
+    row_keys = prng.fold_in(key, ids)  # [B, 2]
+
+    prompt_tok = torch.zeros(b, lp, dtype=torch.int64)
+    key_valid = torch.ones(b, total, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        prompt_tok[i, lp - len(p) :] = torch.as_tensor(p, dtype=torch.int64)
+        key_valid[i, : lp - len(p)] = False
+    pad = (~key_valid[:, :lp]).to(torch.int64)
+    positions = torch.clamp(torch.arange(lp)[None, :] - pad.sum(-1, keepdim=True), min=0)
+
+    cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
+    causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
+    mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
+    logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0)[:, -1]
+
+    stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.int64)
+    out_tok = torch.zeros(b, n_new, dtype=torch.int64)
+    out_lp = torch.zeros(b, n_new, dtype=torch.float32)
+    done = torch.zeros(b, dtype=torch.bool)
+    n_out = torch.zeros(b, dtype=torch.int64)
+    for t in range(n_new):
+        tok, lps = sample(logits, prng.fold_in(row_keys, t), sampling)
+        live = ~done
+        out_tok[:, t] = torch.where(live, tok, 0)
+        out_lp[:, t] = torch.where(live, lps, 0.0)
+        n_out += live.to(torch.int64)
+        done = done | (live & torch.isin(tok, stop))
+        if bool(done.all()) or t == n_new - 1:
+            break
+        col = lp + t
+        mask = key_valid[:, None, : col + 1]
+        pos = (lens + t)[:, None]
+        logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col)[:, -1]
+
+    tokens, logprobs, reasons = [], [], []
+    for i in range(b):
+        n = int(n_out[i])
+        tokens.append(out_tok[i, :n].tolist())
+        logprobs.append(out_lp[i, :n].tolist())
+        reasons.append("stop" if n and tokens[-1][-1] in sampling.stop_token_ids else "length")
+    return Generation(tokens, logprobs, reasons)

@@ -1,0 +1,152 @@
+"""A Qwen2/Llama-family decoder as a pure function over a params pytree.
+
+params = {
+    "embed": [V, H],
+    "layers": [{"attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo",
+                "mlp_norm", "w_gate", "w_up", "w_down"}, ...],
+    "final_norm": [H],
+    "lm_head": [V, H],          # absent when the embeddings are tied
+}
+Weights keep the Hugging Face [out, in] layout so that import, export and
+weight sync are renames, not transposes. Biases exist only when cfg.attention_bias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import ops
+from miles_fn import prng
+from miles_fn.config import ModelConfig
+
+Params = dict[str, Any]
+# One (key, value) pair of [B, Hkv, S, D] buffers per layer.
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    h, d = cfg.hidden_size, cfg.dim_head
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    layer: dict[str, tuple[int, ...]] = {
+        "attn_norm": (h,),
+        "wq": (q, h),
+        "wk": (kv, h),
+        "wv": (kv, h),
+        "wo": (h, q),
+        "mlp_norm": (h,),
+        "w_gate": (cfg.intermediate_size, h),
+        "w_up": (cfg.intermediate_size, h),
+        "w_down": (h, cfg.intermediate_size),
+    }
+    if cfg.attention_bias:
+        layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    shapes: Params = {
+        "embed": (cfg.vocab_size, h),
+        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "final_norm": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: prng.Key, std: float = 0.02, dtype: torch.dtype = torch.float32) -> Params:
+    """Normal(0, std) matrices, unit norms, zero biases; each leaf from its own derived key."""
+    counter = iter(range(1 << 30))
+
+    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        k = prng.fold_in(key, next(counter))
+        if name.endswith("norm"):
+            return torch.ones(shape, dtype=dtype)
+        if name.startswith("b"):
+            return torch.zeros(shape, dtype=dtype)
+        return (prng.normal(k, shape, torch.float64) * std).to(dtype)
+
+    shapes = param_shapes(cfg)
+    return {
+        name: [{n: leaf(n, s) for n, s in layer.items()} for layer in value] if name == "layers" else leaf(name, value)
+        for name, value in shapes.items()
+    }
+
+
+def causal_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] mask: causal within a segment; id 0 is padding. Padding rows see themselves only.
+
+    One mechanism serves right-padding and packing several samples into a row.
+    """
+    t = segment_ids.shape[-1]
+    idx = torch.arange(t)
+    causal = idx[None, :] <= idx[:, None]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    return (causal & same) | torch.eye(t, dtype=torch.bool)
+
+
+def new_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.dim_head)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+def _block(
+    p: Params,
+    cfg: ModelConfig,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    cache_start: int,
+) -> torch.Tensor:
+    b, t, _ = x.shape
+    d = cfg.dim_head
+    h = ops.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = ops.linear(h, p["wq"], p.get("bq")).view(b, t, cfg.num_heads, d).transpose(1, 2)
+    k = ops.linear(h, p["wk"], p.get("bk")).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
+    v = ops.linear(h, p["wv"], p.get("bv")).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
+    q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+    if cache is not None:
+        # The cache buffers are donated to this call (as JAX donates buffers): written in place.
+        ck, cv = cache
+        ck[:, :, cache_start : cache_start + t] = k
+        cv[:, :, cache_start : cache_start + t] = v
+        k, v = ck[:, :, : cache_start + t], cv[:, :, : cache_start + t]
+    a = ops.attention(q, k, v, mask).transpose(1, 2).reshape(b, t, cfg.num_heads * d)
+    x = x + ops.linear(a, p["wo"])
+    h = ops.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = torch.nn.functional.silu(ops.linear(h, p["w_gate"]))
+    return x + ops.linear(gate * ops.linear(h, p["w_up"]), p["w_down"])
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: KVCache | None = None,
+    cache_start: int = 0,
+) -> torch.Tensor:
+    """Logits [B, T, V] for tokens [B, T] at positions [B, T] under mask [B, T, S].
+
+    Without a cache S = T; with one, keys are the cache's first cache_start + T columns.
+    """
+    x = params["embed"][tokens]
+    cos, sin = ops.rope_cos_sin(positions, cfg.dim_head, cfg.rope_theta)
+    for i, layer in enumerate(params["layers"]):
+        x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start)
+    x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return ops.linear(x, params.get("lm_head", params["embed"]))
+
+
+def sequence_logprobs(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    segment_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1]."""
+    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))
+    return ops.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)

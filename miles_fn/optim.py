@@ -1,0 +1,80 @@
+"""AdamW, global-norm clipping and learning-rate schedules as pure functions over pytrees (optax style)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from state.train_state import AdamWState
+from state.tree import global_norm, tree_map
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: int = 0  # cosine decay length after warm-up; 0 = constant after warm-up
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # 0 = no clipping
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Linear warm-up from lr/warmup to lr, then cosine decay to min_lr over decay_steps.
+
+    lr(s) = lr * (s+1)/W                                  for s < W
+          = min + (lr - min) * (1 + cos(pi * p)) / 2,      p = min(1, (s - W) / D)
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay_steps <= 0:
+        return cfg.lr
+    p = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def clip_by_global_norm(grads: Any, max_norm: float) -> tuple[Any, torch.Tensor]:
+    """Scale grads by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does.
+
+    Returns (clipped grads, the norm before clipping).
+    """
+    norm = global_norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return tree_map(lambda g: g * scale.to(g.dtype), grads), norm
+
+
+def adamw_init(params: Any) -> AdamWState:
+    zeros = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+    return AdamWState(count=torch.zeros((), dtype=torch.int64), mu=zeros, nu=tree_map(torch.zeros_like, zeros))
+
+
+def adamw_update(
+    grads: Any, state: AdamWState, params: Any, cfg: OptimConfig, lr: float
+) -> tuple[Any, AdamWState]:
+    """Decoupled weight decay Adam (Loshchilov & Hutter), the arithmetic of torch.optim.AdamW.
+
+    p <- p * (1 - lr*wd);  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2
+    p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    Moments are float32 whatever the params dtype. Returns (new params, new state).
+    """
+    t = int(state.count) + 1
+    bc1 = 1.0 - cfg.beta1**t
+    bc2_sqrt = math.sqrt(1.0 - cfg.beta2**t)
+    mu = tree_map(lambda m, g: m * cfg.beta1 + g.to(torch.float32) * (1.0 - cfg.beta1), state.mu, grads)
+    nu = tree_map(lambda v, g: v * cfg.beta2 + (g.to(torch.float32) ** 2) * (1.0 - cfg.beta2), state.nu, grads)
+
+    def step(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p32 = p.to(torch.float32) * (1.0 - lr * cfg.weight_decay)
+        denom = v.sqrt() / bc2_sqrt + cfg.eps
+        return (p32 - (lr / bc1) * (m / denom)).to(p.dtype)
+
+    new_params = tree_map(step, params, mu, nu)
+    return new_params, AdamWState(count=state.count + 1, mu=mu, nu=nu)

@@ -1,0 +1,30 @@
+"""From engine outputs and rewards to the RolloutBuffer the train step consumes (pure)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from miles_fn import advantages as adv_lib
+from miles_fn.batching import pack_right_padded
+from state.train_state import RolloutBuffer
+
+
+def build_rollout_buffer(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_logprobs: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    group_ids: Sequence[int],
+    normalize_std: bool = True,
+) -> RolloutBuffer:
+    """Right-padded tensors of prompt+response exactly as the engine produced them, with GRPO advantages."""
+    tokens, positions, seg, mask = pack_right_padded(list(prompts), list(responses))
+    old = torch.zeros_like(mask)
+    for i, (p, lps) in enumerate(zip(prompts, response_logprobs)):
+        old[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    g = torch.tensor(group_ids, dtype=torch.int64)
+    adv = adv_lib.broadcast_to_tokens(adv_lib.grpo(r, g, normalize_std), mask)
+    return RolloutBuffer(tokens, positions, seg, mask, old, adv, r, g)

@@ -1,0 +1,64 @@
+"""Token sampling from logits with explicit keys: temperature, top-k, top-p (nucleus)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from miles_fn import prng
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the reported log-probs use (1 for greedy decoding)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus to -inf; the argmax always survives."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, keys: prng.Key, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits [B, V] with per-row keys [B, 2] (Gumbel-max).
+
+    Returns (tokens [B], log-probs [B] under softmax(logits / logprob_temperature),
+    before top-k/top-p truncation: the distribution the trainer recomputes).
+    """
+    scaled = logits.to(torch.float32) / cfg.logprob_temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if cfg.temperature == 0:
+        tokens = torch.argmax(scaled, dim=-1)
+    else:
+        filtered = filter_logits(scaled, cfg.top_k, cfg.top_p)
+        tokens = torch.argmax(filtered + prng.gumbel(keys, (logits.shape[-1],)), dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

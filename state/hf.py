@@ -1,0 +1,103 @@
+"""Hugging Face checkpoint import and export (config.json + safetensors, Qwen2 and Llama)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles_fn.config import ModelConfig, from_hf_dict, to_hf_dict
+from miles_fn.model import Params, param_shapes
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "wk": "self_attn.k_proj.weight",
+    "bk": "self_attn.k_proj.bias",
+    "wv": "self_attn.v_proj.weight",
+    "bv": "self_attn.v_proj.bias",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Hugging Face tensor name -> path into the params tree."""
+    names: dict[str, tuple[Any, ...]] = {}
+    for ours, theirs in _TOP_NAMES.items():
+        if ours != "lm_head" or not cfg.tie_word_embeddings:
+            names[theirs] = (ours,)
+    layer_keys = param_shapes(cfg)["layers"][0] if cfg.num_layers else {}
+    for i in range(cfg.num_layers):
+        for ours in layer_keys:
+            names[f"model.layers.{i}.{_LAYER_NAMES[ours]}"] = ("layers", i, ours)
+    return names
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def load_hf(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Params]:
+    """Read a transformers checkpoint directory into (config, params)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{cfg_path}: not found (a Hugging Face checkpoint directory needs config.json)")
+    with open(cfg_path) as f:
+        cfg = from_hf_dict(json.load(f))
+    tensors = _read_tensors(path)
+    shapes = param_shapes(cfg)
+    params: Params = {k: v for k, v in shapes.items() if k != "layers"}
+    params["layers"] = [dict(layer) for layer in shapes["layers"]]
+    for name, where in hf_names(cfg).items():
+        if name not in tensors:
+            raise KeyError(f"{path}: tensor {name!r} is missing from the checkpoint")
+        node = params
+        for w in where[:-1]:
+            node = node[w]
+        expected = node[where[-1]]
+        t = tensors.pop(name)
+        if tuple(t.shape) != tuple(expected):
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, config implies {expected}")
+        node[where[-1]] = t.to(dtype).contiguous()
+    tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy
+    unknown = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise ValueError(f"{path}: tensors the model does not use: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+    return cfg, params
+
+
+def save_hf(path: str, cfg: ModelConfig, params: Params, dtype: torch.dtype = torch.float32) -> None:
+    """Write config.json + model.safetensors that transformers' from_pretrained loads."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, where in hf_names(cfg).items():
+        node = params
+        for w in where:
+            node = node[w]
+        tensors[name] = node.detach().to(dtype).contiguous().clone()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_dict(cfg), f, indent=2)

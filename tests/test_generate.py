@@ -1,0 +1,78 @@
+"""The embedded engine against transformers' generate(), and its sampling contract."""
+
+import torch
+
+from miles_fn import model, prng
+from miles_fn.generate import generate
+from miles_fn.sampling import SamplingConfig, filter_logits, sample
+from state import hf
+
+PROMPTS = [[3, 7, 11, 2, 9], [4], [8, 8, 1, 30, 22, 17, 5, 6], [12, 40]]
+
+
+def test_greedy_matches_transformers_generate(hf_models):
+    ref_model, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    eos = 13
+    gen = generate(params, cfg, PROMPTS, prng.key(0), SamplingConfig(temperature=0, max_new_tokens=10,
+                                                                       stop_token_ids=(eos,)))
+    for prompt, tokens, reason in zip(PROMPTS, gen.tokens, gen.finish_reasons):
+        with torch.no_grad():
+            out = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        theirs = out[0, len(prompt):].tolist()
+        if eos in theirs:
+            theirs = theirs[: theirs.index(eos) + 1]
+        assert tokens == theirs
+        assert reason == ("stop" if tokens[-1] == eos else "length")
+        assert len(tokens) == 10 or tokens[-1] == eos
+
+
+def test_engine_logprobs_match_full_forward(hf_models):
+    _, path = hf_models[("llama", True)]
+    cfg, params = hf.load_hf(path)
+    gen = generate(params, cfg, PROMPTS, prng.key(1), SamplingConfig(temperature=0.7, max_new_tokens=7))
+    for prompt, tokens, lps in zip(PROMPTS, gen.tokens, gen.logprobs):
+        seq = torch.tensor([prompt + tokens])
+        t = seq.shape[1]
+        full = model.sequence_logprobs(params, cfg, seq, torch.arange(t)[None], torch.ones(1, t, dtype=torch.long), 0.7)
+        assert torch.allclose(full[0, len(prompt) - 1 :], torch.tensor(lps), atol=1e-4)
+
+
+def test_sampling_is_a_function_of_the_key_and_request_not_the_batch(hf_models):
+    _, path = hf_models[("qwen2", True)]
+    cfg, params = hf.load_hf(path)
+    s = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=6)
+    full = generate(params, cfg, PROMPTS, prng.key(2), s)
+    again = generate(params, cfg, PROMPTS, prng.key(2), s)
+    assert full.tokens == again.tokens
+    alone = generate(params, cfg, [PROMPTS[2]], prng.key(2), s, request_ids=[2])
+    assert alone.tokens[0] == full.tokens[2]
+    other = generate(params, cfg, PROMPTS, prng.key(3), s)
+    assert other.tokens != full.tokens
+
+
+def test_top_k_and_top_p_filters_hand_computed():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)[0, :2]).all()
+    kept = torch.isfinite(filter_logits(logits, 0, 0.8))[0].tolist()
+    assert kept == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    kept = torch.isfinite(filter_logits(logits, 0, 0.81))[0].tolist()
+    assert kept == [True, True, True, False]
+    keys = prng.fold_in(prng.key(0), torch.arange(2000))
+    toks, _ = sample(logits.expand(2000, 4), keys, SamplingConfig(top_k=2))
+    assert set(toks.tolist()) == {0, 1}
+
+
+def test_stop_tokens_and_max_new_tokens():
+    from miles_fn.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1)
+    params = model.init_params(cfg, prng.key(0), std=1.0)
+    gen = generate(params, cfg, [[1, 2]] * 8, prng.key(4), SamplingConfig(max_new_tokens=5, stop_token_ids=(3, 4)))
+    for toks, lps, reason in zip(gen.tokens, gen.logprobs, gen.finish_reasons):
+        assert 1 <= len(toks) <= 5 and len(lps) == len(toks)
+        assert not any(t in (3, 4) for t in toks[:-1])
+        assert reason == ("stop" if toks[-1] in (3, 4) else "length")
+        assert reason == "stop" or len(toks) == 5

@@ -1,0 +1,62 @@
+"""The counter-based PRNG against the Threefry-2x32 known answers of Random123 (Salmon et al., 2011)."""
+
+import math
+
+import torch
+
+from miles_fn import prng
+
+KAT = [  # (key, counter, expected output), Random123 kat_vectors, threefry2x32_20
+    ((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+]
+
+
+def test_threefry_known_answers():
+    for k, (c0, c1), (e0, e1) in KAT:
+        y0, y1 = prng.threefry2x32(torch.tensor(k), torch.tensor(c0), torch.tensor(c1))
+        assert (int(y0), int(y1)) == (e0, e1)
+
+
+def test_keys_are_values():
+    a, b = prng.key(7), prng.key(7)
+    assert torch.equal(prng.uniform(a, (100,)), prng.uniform(b, (100,)))
+    s = prng.split(a, 4)
+    assert len({tuple(x.tolist()) for x in s}) == 4
+    assert not torch.equal(prng.fold_in(a, 1), prng.fold_in(a, 2))
+    assert not torch.equal(prng.uniform(prng.key(7), (8,)), prng.uniform(prng.key(8), (8,)))
+
+
+def test_batched_keys_give_rowwise_streams():
+    keys = prng.fold_in(prng.key(3), torch.arange(5))
+    together = prng.bits(keys, (11,))
+    alone = torch.stack([prng.bits(keys[i], (11,)) for i in range(5)])
+    assert torch.equal(together, alone)
+
+
+def test_uniform_and_normal_moments():
+    u = prng.uniform(prng.key(1), (200_000,), torch.float64)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.003  # 5 sigma for n=2e5
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    z = prng.normal(prng.key(2), (200_000,), torch.float64)
+    assert abs(float(z.mean())) < 0.012 and abs(float(z.std()) - 1.0) < 0.01
+
+
+def test_gumbel_max_samples_softmax():
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    n = 40_000
+    keys = prng.fold_in(prng.key(5), torch.arange(n))
+    draws = torch.argmax(logits + prng.gumbel(keys, (4,)), dim=-1)
+    freq = torch.bincount(draws, minlength=4).double() / n
+    p = torch.softmax(logits.double(), 0)
+    assert torch.all((freq - p).abs() < 5 * torch.sqrt(p * (1 - p) / n))
+
+
+def test_permutation_and_randint():
+    perm = prng.permutation(prng.key(0), 50)
+    assert sorted(perm.tolist()) == list(range(50))
+    r = prng.randint(prng.key(0), (10_000,), 3, 9)
+    assert int(r.min()) == 3 and int(r.max()) == 8
+    assert math.isclose(float(r.double().mean()), 5.5, abs_tol=0.1)
