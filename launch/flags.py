@@ -40,7 +40,7 @@ flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
 # Task
 flags.DEFINE_enum("task", "addition", ["addition"], "The built-in task.")
 flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task.", lower_bound=1, upper_bound=6)
-flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = start and end only).", lower_bound=0)
+flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = at the end only).", lower_bound=0)
 flags.DEFINE_integer("eval_size", 256, "Held-out prompts per evaluation.", lower_bound=1)
 
 # Rollout
@@ -64,7 +64,7 @@ flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_b
 # Loss
 flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
 flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
-flags.DEFINE_float("kl_coef", 0.0, "Weight of the k3 KL to the initial policy (0 = no reference model).", lower_bound=0.0)
+flags.DEFINE_float("kl_coef", 0.0, "Weight of the k3 KL to the initial policy (0 = no reference).", lower_bound=0.0)
 flags.DEFINE_enum("loss_agg", "token_mean", ["token_mean", "seq_mean_token_mean"], "Loss aggregation.")
 flags.DEFINE_boolean("normalize_advantage_std", True, "GRPO std normalisation (off = Dr. GRPO).")
 
@@ -142,6 +142,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         beta2=f.adam_beta2,
         weight_decay=f.weight_decay,
         max_grad_norm=f.max_grad_norm,
+        schedule_start=f.sft_warmup_steps,  # RL's warm-up and decay start after the supervised steps
     )
     loss = PolicyLossConfig(
         eps_clip=f.eps_clip,
@@ -172,7 +173,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         model=model,
         sampling=sampling,
         optim=optim,
-        sft_optim=dataclasses.replace(optim, lr=f.sft_lr, warmup_steps=0, decay_steps=0),
+        sft_optim=dataclasses.replace(optim, lr=f.sft_lr, warmup_steps=0, decay_steps=0, schedule_start=0),
         loss=loss,
     )
 

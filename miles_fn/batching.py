@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+
 def pack_right_padded(
     prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ The cache is private to the call: nothing outside it is touched.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -23,6 +23,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0  # 0 = no clipping
+    schedule_start: int = 0  # the optimizer step at which this schedule's step 0 falls
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
@@ -31,6 +32,7 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     lr(s) = lr * (s+1)/W                                  for s < W
           = min + (lr - min) * (1 + cos(pi * p)) / 2,      p = min(1, (s - W) / D)
     """
+    step = step - cfg.schedule_start
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.decay_steps <= 0:

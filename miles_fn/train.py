@@ -7,7 +7,8 @@ its own from the pieces in `losses` and `advantages` and passes it in.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.func import grad
@@ -84,7 +85,7 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
 
 
 def make_sft_loss(model_cfg: ModelConfig) -> LossFn:
-    """Token-mean cross-entropy on the loss mask (batch: RolloutBuffer-like with tokens/positions/segment_ids/loss_mask)."""
+    """Token-mean cross-entropy on batch.loss_mask (any batch with tokens, positions, segment_ids, loss_mask)."""
 
     def loss_fn(params: Any, batch: Any, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key

@@ -18,8 +18,9 @@ def test_greedy_matches_transformers_generate(hf_models):
                                                                        stop_token_ids=(eos,)))
     for prompt, tokens, reason in zip(PROMPTS, gen.tokens, gen.finish_reasons):
         with torch.no_grad():
-            out = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            ids = torch.tensor([prompt])
+            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=0)
         theirs = out[0, len(prompt):].tolist()
         if eos in theirs:
             theirs = theirs[: theirs.index(eos) + 1]

@@ -67,3 +67,8 @@ def test_warmup_cosine_schedule_values():
     assert math.isclose(optim.lr_at(cfg, 9), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert math.isclose(optim.lr_at(cfg, 14), 0.1) and math.isclose(optim.lr_at(cfg, 100), 0.1)
     assert optim.lr_at(optim.OptimConfig(lr=0.3), 1000) == 0.3
+
+
+def test_schedule_start_offsets_the_schedule():
+    cfg = optim.OptimConfig(lr=1.0, warmup_steps=2, schedule_start=10)
+    assert [optim.lr_at(cfg, s) for s in (10, 11, 12)] == [0.5, 1.0, 1.0]
