@@ -39,6 +39,8 @@ flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
 
 # Task
 flags.DEFINE_enum("task", "addition", ["addition"], "The built-in task.")
+flags.DEFINE_boolean("task_reverse_answer", False, "Addition answers written least-significant digit first.")
+flags.DEFINE_boolean("task_fixed_width", False, "Zero-pad addition operands and sums to a fixed width.")
 flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task.", lower_bound=1, upper_bound=6)
 flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = at the end only).", lower_bound=0)
 flags.DEFINE_integer("eval_size", 256, "Held-out prompts per evaluation.", lower_bound=1)
@@ -99,6 +101,8 @@ class RunConfig:
     hf_checkpoint: str
     init_std: float
     task_digits: int
+    task_reverse_answer: bool
+    task_fixed_width: bool
     eval_every: int
     eval_size: int
     prompts_per_step: int
@@ -163,6 +167,8 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         hf_checkpoint=f.hf_checkpoint,
         init_std=f.init_std,
         task_digits=f.task_digits,
+        task_reverse_answer=f.task_reverse_answer,
+        task_fixed_width=f.task_fixed_width,
         eval_every=f.eval_every,
         eval_size=f.eval_size,
         prompts_per_step=f.prompts_per_step,

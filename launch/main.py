@@ -53,7 +53,8 @@ def setup_torch(cfg: run_flags.RunConfig) -> None:
 
 
 def build(cfg: run_flags.RunConfig) -> Job:
-    task = AdditionTask(digits=cfg.task_digits)
+    task = AdditionTask(digits=cfg.task_digits, reverse_answer=cfg.task_reverse_answer,
+                        fixed_width=cfg.task_fixed_width)
     root = prng.key(cfg.seed)
     if cfg.hf_checkpoint:
         try:

@@ -1,7 +1,12 @@
 """Multi-digit addition: a verifiable task a tiny model learns on CPU.
 
-Prompt "<bos>17+25=", answer "42<eos>". The reward is exact: 1 when the decoded
-response equals the sum, else 0. The pairs (a, b) are split into train and
+Prompt "<bos>17+25=", answer "42<eos>". With fixed_width, operands and sum are
+zero-padded to a fixed number of digits ("<bos>07+25=" -> "032<eos>"), so every digit
+sits at the same position in every prompt. With reverse_answer the sum's digits
+least-significant first, "24<eos>" (so each digit depends only on the digits at
+its place and one carry, as the ones-first order that people use on paper; it is
+what lets a tiny model learn the task in minutes). The reward is exact: 1 when the
+decoded response equals the answer, else 0. The pairs (a, b) are split into train and
 held-out sets by a fixed hash of the pair, so evaluation prompts are never trained on.
 """
 
@@ -16,6 +21,8 @@ from miles_fn.tokenizer import CharTokenizer
 @dataclasses.dataclass(frozen=True)
 class AdditionTask:
     digits: int = 2
+    reverse_answer: bool = False
+    fixed_width: bool = False
     heldout_fraction: float = 0.1
     tokenizer: CharTokenizer = CharTokenizer()
 
@@ -33,10 +40,15 @@ class AdditionTask:
         return h < self.heldout_fraction * (1 << 32)
 
     def prompt_ids(self, a: int, b: int) -> list[int]:
-        return [self.tokenizer.bos_id] + self.tokenizer.encode(f"{a}+{b}=")
+        w = self.digits if self.fixed_width else 0
+        return [self.tokenizer.bos_id] + self.tokenizer.encode(f"{a:0{w}d}+{b:0{w}d}=")
+
+    def answer_text(self, a: int, b: int) -> str:
+        s = f"{a + b:0{self.digits + 1 if self.fixed_width else 0}d}"
+        return s[::-1] if self.reverse_answer else s
 
     def answer_ids(self, a: int, b: int) -> list[int]:
-        return self.tokenizer.encode(str(a + b)) + [self.tokenizer.eos_id]
+        return self.tokenizer.encode(self.answer_text(a, b)) + [self.tokenizer.eos_id]
 
     def sample_pairs(self, key: prng.Key, n: int, heldout: bool = False) -> list[tuple[int, int]]:
         """n pairs from the chosen split, by rejection from uniform draws (deterministic in key)."""
@@ -55,7 +67,7 @@ class AdditionTask:
     def reward(self, response_ids: list[int], pair: tuple[int, int]) -> float:
         text = self.tokenizer.decode(response_ids)
         ended = self.tokenizer.eos_id in response_ids
-        return 1.0 if ended and text == str(pair[0] + pair[1]) else 0.0
+        return 1.0 if ended and text == self.answer_text(*pair) else 0.0
 
     def sft_example(self, pair: tuple[int, int]) -> tuple[list[int], list[int]]:
         return self.prompt_ids(*pair), self.answer_ids(*pair)
