@@ -11,6 +11,7 @@ import dataclasses
 from absl import flags
 
 from miles_fn.config import ModelConfig
+from miles_fn.memory import MemoryConfig
 from miles_fn.optim import OptimConfig
 from miles_fn.sampling import SamplingConfig
 from miles_fn.train import PolicyLossConfig
@@ -75,6 +76,24 @@ flags.DEFINE_integer("sft_warmup_steps", 0, "Supervised steps on task answers be
 flags.DEFINE_integer("sft_batch_size", 64, "Examples per supervised step.", lower_bound=1)
 flags.DEFINE_float("sft_lr", 1e-3, "Learning rate of the supervised warm-up.", lower_bound=0.0)
 
+# Packing and memory (miles_fn.packing, miles_fn.memory, launch.memory)
+flags.DEFINE_integer("max_tokens_per_micro_batch", 0, "Pack samples into micro-batches of at most this many padded "
+                     "tokens and accumulate gradients over them (0 = the whole batch at once, right-padded).",
+                     lower_bound=0)
+flags.DEFINE_integer("pack_row_len", 0, "Tokens per packed row (0 = the step's longest sample; "
+                     "= --max_tokens_per_micro_batch gives one flash-attn varlen row per micro-batch).", lower_bound=0)
+flags.DEFINE_boolean("recompute", False, "Recompute each layer's activations in the backward pass (less memory, "
+                     "one more forward).")
+flags.DEFINE_float("memory_margin_gb", 0.0, "Memory the token-budget planner leaves free (CUDA: of mem_get_info; "
+                   "CPU: of MemAvailable).", lower_bound=0.0)
+flags.DEFINE_boolean("offload_train_state", False, "Park params and optimizer state in host memory while the "
+                     "rollout engine runs (colocated mode).")
+flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried.",
+                     lower_bound=0)
+flags.register_validator("pack_row_len", lambda v: v == 0 or FLAGS.max_tokens_per_micro_batch == 0
+                         or v <= FLAGS.max_tokens_per_micro_batch,
+                         "--pack_row_len must not exceed --max_tokens_per_micro_batch")
+
 
 flags.register_multi_flags_validator(
     ["num_heads", "num_kv_heads"],
@@ -115,6 +134,7 @@ class RunConfig:
     optim: OptimConfig
     sft_optim: OptimConfig
     loss: PolicyLossConfig
+    memory: MemoryConfig = MemoryConfig()
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -181,6 +201,14 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         optim=optim,
         sft_optim=dataclasses.replace(optim, lr=f.sft_lr, warmup_steps=0, decay_steps=0, schedule_start=0),
         loss=loss,
+        memory=MemoryConfig(
+            max_tokens_per_micro_batch=f.max_tokens_per_micro_batch,
+            pack_row_len=f.pack_row_len,
+            recompute=f.recompute,
+            memory_margin_gb=f.memory_margin_gb,
+            offload_train_state=f.offload_train_state,
+            max_oom_splits=f.max_oom_splits,
+        ),
     )
 
 

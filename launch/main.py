@@ -18,6 +18,7 @@ import torch
 from absl import app, flags
 
 from launch import flags as run_flags
+from launch import memory as launch_memory
 from launch.engines.embedded import EmbeddedEngine
 from launch.metrics import MetricsWriter, plot_curves, to_floats
 from miles_fn import model, prng, train
@@ -142,15 +143,17 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     summary["sft_seconds"] = time.time() - t0
     summary["eval_success_step0"] = last_eval = evaluate(job)
     ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
-    loss_fn = train.make_grpo_loss(cfg.model, cfg.loss)
+    loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss)
     bar = _progress(cfg)
     t_rl = time.time()
     for step in range(cfg.num_steps):
         t_step = time.time()
         key = prng.fold_in(job.state.key, step)
-        buf, stats = rollout(job, key, ref_params)
+        with launch_memory.offloaded(job, cfg.memory.offload_train_state):
+            buf, stats = rollout(job, key, ref_params)
         t_roll = time.time()
-        job.state, metrics = train.train_step(job.state, buf, prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
+        job.state, metrics = launch_memory.train_update(cfg.memory, cfg.model, job.state, buf,
+                                                        prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
         job.engine.update_weights(int(job.state.step), job.state.params)
         metrics = to_floats({**stats, **metrics})
         metrics.update(time_rollout=t_roll - t_step, time_train=time.time() - t_roll)
@@ -186,7 +189,7 @@ def main(argv: list[str]) -> None:
     cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
     try:
         summary = run(cfg)
-    except UserError as e:
+    except (UserError, launch_memory.MemoryPlanError) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

@@ -27,6 +27,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
     model_type: str = "qwen2"
+    recompute: bool = False  # how to train it, not what it is: recompute layer activations in backward
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import ops
-from miles_fn import prng
+from miles_fn import prng, remat
 from miles_fn.config import ModelConfig
 
 Params = dict[str, Any]
@@ -118,6 +118,18 @@ def _block(
     return x + ops.linear(gate * ops.linear(h, p["w_up"]), p["w_down"])
 
 
+def _recomputed_block(
+    p: Params, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """_block with activation recomputation: only the layer's input is kept for the backward pass."""
+    names = sorted(p)
+
+    def block(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return _block(dict(zip(names, weights, strict=True)), cfg, x, cos, sin, mask, None, 0)
+
+    return remat.recompute(block, x, *(p[n] for n in names))
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -130,11 +142,15 @@ def forward(
     """Logits [B, T, V] for tokens [B, T] at positions [B, T] under mask [B, T, S].
 
     Without a cache S = T; with one, keys are the cache's first cache_start + T columns.
+    cfg.recompute recomputes each layer's activations in the backward pass (miles_fn.remat).
     """
     x = params["embed"][tokens]
     cos, sin = ops.rope_cos_sin(positions, cfg.dim_head, cfg.rope_theta)
     for i, layer in enumerate(params["layers"]):
-        x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start)
+        if cfg.recompute and cache is None and torch.is_grad_enabled():
+            x = _recomputed_block(layer, cfg, x, cos, sin, mask)
+        else:
+            x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start)
     x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return ops.linear(x, params.get("lm_head", params["embed"]))
 

@@ -7,16 +7,17 @@ its own from the pieces in `losses` and `advantages` and passes it in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.func import grad
 
-from miles_fn import losses, model, optim, prng
+from miles_fn import losses, model, optim, packing, prng
 from miles_fn.config import ModelConfig
+from miles_fn.packing import PackedBatch
 from state.train_state import RolloutBuffer, TrainState
-from state.tree import tree_all_finite
+from state.tree import tree_all_finite, tree_map
 
 LossFn = Callable[[Any, Any, prng.Key], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -36,6 +37,13 @@ def train_step(
     nothing) and report `finite = 0`, so the caller can snapshot the step.
     """
     grads, (loss, aux) = grad(lambda p: _with_loss_aux(loss_fn(p, batch, key)), has_aux=True)(state.params)
+    return apply_gradients(state, grads, loss, aux, optim_cfg)
+
+
+def apply_gradients(
+    state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor], optim_cfg: optim.OptimConfig
+) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """Global-norm clipping and one AdamW update from given gradients (the tail of every train step)."""
     grads, grad_norm = optim.clip_by_global_norm(grads, optim_cfg.max_grad_norm)
     lr = optim.lr_at(optim_cfg, int(state.step))
     finite = bool(torch.isfinite(loss)) and tree_all_finite(grads)
@@ -45,6 +53,75 @@ def train_step(
         return state, metrics
     params, opt_state = optim.adamw_update(grads, state.opt_state, state.params, optim_cfg, lr)
     return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def train_step_accumulated(
+    state: TrainState,
+    micro_batches: Sequence[PackedBatch],
+    key: prng.Key,
+    loss_fn: LossFn,
+    optim_cfg: optim.OptimConfig,
+    max_oom_splits: int = 3,
+    log: Callable[[str], None] | None = None,
+) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """One update from gradients summed over micro-batches: the same update as the whole batch at once.
+
+    Contract: loss_fn divides by the whole batch's normaliser, which every micro-batch carries
+    (`packing.aggregate` does), so sum_mb loss_mb = loss(whole batch) and likewise its gradient;
+    metrics are summed the same way. A micro-batch that raises torch.OutOfMemoryError is split in
+    two and retried, up to max_oom_splits times deep; each split is reported to `log` and counted
+    in metrics["oom_splits"]. Summation runs in micro-batch order, so the result is deterministic.
+    """
+    grads, loss, aux, stats = accumulate_gradients(state.params, micro_batches, key, loss_fn, max_oom_splits, log)
+    state, metrics = apply_gradients(state, grads, loss, aux, optim_cfg)
+    return state, {**metrics, **stats}
+
+
+def accumulate_gradients(
+    params: Any,
+    micro_batches: Sequence[PackedBatch],
+    key: prng.Key,
+    loss_fn: LossFn,
+    max_oom_splits: int = 3,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(sum of gradients, sum of losses, sum of aux, {"micro_batches", "oom_splits"}) over micro_batches."""
+    if not micro_batches:
+        raise ValueError("train_step_accumulated needs at least one micro-batch")
+    total: list[Any] = [None, None, None]
+    count = {"micro_batches": 0, "oom_splits": 0}
+
+    def add(mb: PackedBatch, depth: int) -> None:
+        try:
+            g, (loss, aux) = grad(lambda p: _with_loss_aux(loss_fn(p, mb, key)), has_aux=True)(params)
+        except torch.OutOfMemoryError as e:
+            n = int(mb.lengths.numel())
+            if depth >= max_oom_splits or n < 2:
+                raise torch.OutOfMemoryError(
+                    f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
+                    f"splits (--max_oom_splits={max_oom_splits}); lower --max_tokens_per_micro_batch: {e}"
+                ) from e
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            count["oom_splits"] += 1
+            if log is not None:
+                log(f"out of memory on a micro-batch of {n} samples ({tuple(mb.tokens.shape)} tokens): "
+                    f"splitting in two and retrying (depth {depth + 1})")
+            for half in packing.split(mb):
+                add(half, depth + 1)
+            return
+        count["micro_batches"] += 1
+        if total[0] is None:
+            total[:] = [g, loss, aux]
+        else:
+            total[0] = tree_map(torch.add, total[0], g)
+            total[1] = total[1] + loss
+            total[2] = {k: total[2][k] + v for k, v in aux.items()}
+
+    for mb in micro_batches:
+        add(mb, 0)
+    stats = {k: torch.tensor(float(v)) for k, v in count.items()}
+    return total[0], total[1], total[2], stats
 
 
 def _with_loss_aux(out: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, tuple]:
@@ -71,14 +148,15 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
         )
         per_tok, aux = losses.ppo_clip(logp, batch.old_logprobs, batch.advantages, batch.loss_mask,
                                        cfg.eps_clip, cfg.eps_clip_high)
-        loss = losses.aggregate(per_tok, batch.loss_mask, cfg.loss_agg)
+        aux = packing.token_share(aux, batch)  # a micro-batch reports its share of the whole batch's means
+        loss = packing.aggregate(per_tok, batch, cfg.loss_agg)
         aux["pg_loss"] = loss.detach()
         if cfg.kl_coef > 0 and batch.ref_logprobs is not None:
-            kl = losses.aggregate(losses.kl_k3(logp, batch.ref_logprobs), batch.loss_mask, cfg.loss_agg)
+            kl = packing.aggregate(losses.kl_k3(logp, batch.ref_logprobs), batch, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
             aux["kl"] = kl.detach()
         with torch.no_grad():
-            aux["entropy_proxy"] = losses.aggregate(-logp, batch.loss_mask, "token_mean")
+            aux["entropy_proxy"] = packing.aggregate(-logp, batch, "token_mean")
         return loss, aux
 
     return loss_fn
@@ -90,6 +168,6 @@ def make_sft_loss(model_cfg: ModelConfig) -> LossFn:
     def loss_fn(params: Any, batch: Any, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key
         logp = model.sequence_logprobs(params, model_cfg, batch.tokens, batch.positions, batch.segment_ids)
-        return losses.aggregate(losses.sft_nll(logp), batch.loss_mask), {}
+        return packing.aggregate(losses.sft_nll(logp), batch), {}
 
     return loss_fn

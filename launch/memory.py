@@ -1,0 +1,105 @@
+"""The shell's side of training memory: measuring free memory, offload around rollouts, micro-batched updates."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from absl import logging
+
+from miles_fn import memory, packing, prng, train
+from miles_fn.config import ModelConfig
+from miles_fn.memory import MemoryConfig
+from miles_fn.optim import OptimConfig
+from state.train_state import RolloutBuffer, TrainState
+from state.tree import tree_leaves
+
+
+class MemoryPlanError(Exception):
+    """The memory flags leave no micro-batch that fits: reported as one line naming the flags."""
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory where the activations live: torch.cuda.mem_get_info on CUDA, MemAvailable on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def state_device(state: TrainState) -> torch.device:
+    return tree_leaves(state.params)[0].device
+
+
+@contextlib.contextmanager
+def offloaded(holder: Any, enabled: bool) -> Iterator[None]:
+    """Park holder.state (params and optimizer state) in host memory for the body, the rollout.
+
+    In colocated mode the engine serves its own copy of the weights while the trainer's copy and
+    its optimizer moments (2x params in float32) wait on the host. The embedded engine shares the
+    trainer's params, so there only the optimizer state is actually freed.
+    """
+    if not enabled:
+        yield
+        return
+    device = state_device(holder.state)
+    holder.state = memory.offload(holder.state)
+    try:
+        yield
+    finally:
+        holder.state = memory.reload(holder.state, device)
+
+
+def plan_budget(cfg: MemoryConfig, model_cfg: ModelConfig, lengths: list[int], device: torch.device) -> tuple[int, int]:
+    """(token budget, row length) for this step: the flags, capped so activations fit in free memory less the margin."""
+    row_len = cfg.pack_row_len or max(lengths)
+    bpt = memory.activation_bytes_per_token(model_cfg, row_len, cfg.recompute)
+    try:
+        budget = memory.plan_token_budget(cfg.max_tokens_per_micro_batch, free_bytes(device), cfg.memory_margin_gb,
+                                          bpt)
+    except ValueError as e:
+        raise MemoryPlanError(str(e)) from e
+    if budget < max(lengths):
+        raise MemoryPlanError(
+            f"--memory_margin_gb={cfg.memory_margin_gb} leaves room for {budget} tokens a micro-batch "
+            f"(about {bpt} bytes a token), fewer than the longest sample's {max(lengths)}; lower the margin, "
+            f"turn on --recompute or free memory"
+        )
+    return budget, min(row_len, budget)
+
+
+def train_update(
+    cfg: MemoryConfig,
+    model_cfg: ModelConfig,
+    state: TrainState,
+    buf: RolloutBuffer,
+    key: prng.Key,
+    loss_fn: train.LossFn,
+    optim_cfg: OptimConfig,
+) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """The step's update: whole-batch when --max_tokens_per_micro_batch=0, else packed and accumulated."""
+    if not cfg.max_tokens_per_micro_batch:
+        return train.train_step(state, buf, key, loss_fn, optim_cfg)
+    lengths = packing.sample_lengths(buf.segment_ids)
+    budget, row_len = plan_budget(cfg, model_cfg, lengths, state_device(state))
+    micro_batches = packing.pack(buf, budget, row_len)
+    state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
+                                                  cfg.max_oom_splits, logging.warning)
+    padded = sum(mb.tokens.numel() for mb in micro_batches)
+    metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
+    return state, metrics
+
+
+def training_model_config(cfg: MemoryConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """The model config the loss trains with (recomputation is a training choice, not the model's)."""
+    return dataclasses.replace(model_cfg, recompute=cfg.recompute)
