@@ -87,14 +87,19 @@ def train_update(
     loss_fn: train.LossFn,
     optim_cfg: OptimConfig,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    """The step's update: whole-batch when --max_tokens_per_micro_batch=0, else packed and accumulated."""
+    """The step's update: whole-batch when --max_tokens_per_micro_batch=0, else packed and accumulated.
+
+    With --recompute the gradient comes from plain autograd (train.loss_and_grad says why).
+    """
     if not cfg.max_tokens_per_micro_batch:
+        if cfg.recompute:
+            return train.train_step_accumulated(state, [buf], key, loss_fn, optim_cfg, 0, None, use_autograd=True)
         return train.train_step(state, buf, key, loss_fn, optim_cfg)
     lengths = packing.sample_lengths(buf.segment_ids)
     budget, row_len = plan_budget(cfg, model_cfg, lengths, state_device(state))
     micro_batches = packing.pack(buf, budget, row_len)
     state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
-                                                  cfg.max_oom_splits, logging.warning)
+                                                  cfg.max_oom_splits, logging.warning, use_autograd=cfg.recompute)
     padded = sum(mb.tokens.numel() for mb in micro_batches)
     metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
     return state, metrics

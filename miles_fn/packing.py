@@ -128,6 +128,26 @@ def pack(buffer: RolloutBuffer, max_tokens: int, row_len: int | None = None) -> 
     ]
 
 
+def pad(buffer: RolloutBuffer, max_tokens: int) -> list[PackedBatch]:
+    """The right-padded layout cut into micro-batches: one sample a row, every row the batch's full width.
+
+    The baseline packing is measured against (bench/packing.py), and a layout for attention
+    backends that take one sequence a row; max_tokens // width rows a micro-batch.
+    """
+    lengths = sample_lengths(buffer.segment_ids)
+    width = buffer.tokens.shape[1]
+    if width > max_tokens:
+        raise ValueError(f"rows of {width} tokens exceed max_tokens_per_micro_batch={max_tokens}")
+    samples = [_cut(buffer, i, n) for i, n in enumerate(lengths)]
+    num_tokens = buffer.loss_mask.sum().to(torch.float32)
+    num_samples = torch.tensor(float(len(lengths)))
+    per_mb = max_tokens // width
+    return [
+        _build([[x] for x in samples[k : k + per_mb]], num_tokens, num_samples, width)
+        for k in range(0, len(samples), per_mb)
+    ]
+
+
 def split(batch: PackedBatch) -> tuple[PackedBatch, PackedBatch]:
     """Two micro-batches holding the first and second half of batch's samples (for OOM retries).
 
@@ -234,8 +254,10 @@ def _samples_of(batch: PackedBatch) -> list[_Sample]:
     return out
 
 
-def _build(rows: list[list[_Sample]], num_tokens: torch.Tensor, num_samples: torch.Tensor) -> PackedBatch:
-    width = max(sum(int(x.tokens.numel()) for x in row) for row in rows)
+def _build(
+    rows: list[list[_Sample]], num_tokens: torch.Tensor, num_samples: torch.Tensor, width: int | None = None
+) -> PackedBatch:
+    width = width or max(sum(int(x.tokens.numel()) for x in row) for row in rows)
     r = len(rows)
     tokens = torch.zeros(r, width, dtype=torch.int64)
     positions = torch.zeros(r, width, dtype=torch.int64)

@@ -30,9 +30,11 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        with torch.enable_grad():
-            _, pullback = vjp(ctx.fn, *ctx.saved_tensors)
-            return (None, *pullback(grad_out))
+        # No torch.enable_grad() here: vjp differentiates at its own level, and under plain autograd
+        # enabling grad would also record the recomputation into the outer graph (saved args that
+        # require grad), keeping every layer's intermediates alive until the end of backward.
+        _, pullback = vjp(ctx.fn, *ctx.saved_tensors)
+        return (None, *pullback(grad_out))
 
 
 def recompute(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:

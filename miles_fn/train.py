@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from optree import tree_flatten, tree_unflatten
 from torch.func import grad
 
 from miles_fn import losses, model, optim, packing, prng
@@ -63,6 +64,7 @@ def train_step_accumulated(
     optim_cfg: optim.OptimConfig,
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
+    use_autograd: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One update from gradients summed over micro-batches: the same update as the whole batch at once.
 
@@ -71,8 +73,10 @@ def train_step_accumulated(
     metrics are summed the same way. A micro-batch that raises torch.OutOfMemoryError is split in
     two and retried, up to max_oom_splits times deep; each split is reported to `log` and counted
     in metrics["oom_splits"]. Summation runs in micro-batch order, so the result is deterministic.
+    use_autograd: see `loss_and_grad`.
     """
-    grads, loss, aux, stats = accumulate_gradients(state.params, micro_batches, key, loss_fn, max_oom_splits, log)
+    grads, loss, aux, stats = accumulate_gradients(state.params, micro_batches, key, loss_fn, max_oom_splits, log,
+                                                   use_autograd)
     state, metrics = apply_gradients(state, grads, loss, aux, optim_cfg)
     return state, {**metrics, **stats}
 
@@ -84,6 +88,7 @@ def accumulate_gradients(
     loss_fn: LossFn,
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
+    use_autograd: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(sum of gradients, sum of losses, sum of aux, {"micro_batches", "oom_splits"}) over micro_batches."""
     if not micro_batches:
@@ -93,9 +98,9 @@ def accumulate_gradients(
 
     def add(mb: PackedBatch, depth: int) -> None:
         try:
-            g, (loss, aux) = grad(lambda p: _with_loss_aux(loss_fn(p, mb, key)), has_aux=True)(params)
+            g, (loss, aux) = loss_and_grad(params, mb, key, loss_fn, use_autograd)
         except torch.OutOfMemoryError as e:
-            n = int(mb.lengths.numel())
+            n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
             if depth >= max_oom_splits or n < 2:
                 raise torch.OutOfMemoryError(
                     f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
@@ -122,6 +127,27 @@ def accumulate_gradients(
         add(mb, 0)
     stats = {k: torch.tensor(float(v)) for k, v in count.items()}
     return total[0], total[1], total[2], stats
+
+
+def loss_and_grad(
+    params: Any, batch: Any, key: prng.Key, loss_fn: LossFn, use_autograd: bool = False
+) -> tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """(d loss / d params, (loss, aux)) of loss_fn(params, batch, key); params are not modified.
+
+    torch.func.grad by default. use_autograd=True differentiates with torch.autograd.grad through
+    detached leaf copies of params (same values, same gradient): torch.func.grad runs its backward
+    with create_graph=True, which keeps every backward intermediate, and every activation that
+    recomputation (--recompute) rebuilds, alive until it returns; plain autograd frees them layer by
+    layer, so only it turns recomputation into lower peak memory.
+    """
+    if not use_autograd:
+        return grad(lambda p: _with_loss_aux(loss_fn(p, batch, key)), has_aux=True)(params)
+    leaves, spec = tree_flatten(params)
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    loss, out = _with_loss_aux(loss_fn(tree_unflatten(spec, leaves), batch, key))
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    return tree_unflatten(spec, [g.detach() for g in grads]), out
 
 
 def _with_loss_aux(out: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, tuple]:

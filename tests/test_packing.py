@@ -14,7 +14,7 @@ from miles_fn import model, optim, packing, prng, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.config import ModelConfig
 from state.train_state import RolloutBuffer
-from state.tree import tree_leaves
+from state.tree import tree_hash, tree_leaves
 
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 LENGTHS = [3, 17, 5, 12, 2, 9, 1, 14, 6, 8]
@@ -152,13 +152,14 @@ def grpo_loss(agg: str, kl: float = 0.1):
     return train.make_grpo_loss(CFG, train.PolicyLossConfig(kl_coef=kl, loss_agg=agg, eps_clip=0.1))
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-def test_accumulated_gradients_equal_the_whole_batch(params, agg):
+@pytest.mark.parametrize("agg,layout", [("token_mean", "packed"), ("seq_mean_token_mean", "packed"),
+                                        ("token_mean", "padded")])
+def test_accumulated_gradients_equal_the_whole_batch(params, agg, layout):
     buf = make_buffer()
     loss_fn = grpo_loss(agg)
     key = prng.key(1)
     g_full, (loss_full, aux_full) = grad(lambda p: train._with_loss_aux(loss_fn(p, buf, key)), has_aux=True)(params)
-    mbs = packing.pack(buf, max_tokens=34, row_len=17)
+    mbs = packing.pack(buf, max_tokens=34, row_len=17) if layout == "packed" else packing.pad(buf, 51)
     assert len(mbs) >= 3
     g_acc, loss_acc, aux_acc, stats = train.accumulate_gradients(params, mbs, key, loss_fn)
     assert stats["micro_batches"] == len(mbs) and stats["oom_splits"] == 0
@@ -178,6 +179,8 @@ def test_accumulated_update_equals_whole_batch_update(params):
     s0 = train.init_state(params, prng.key(2))
     s_full, m_full = train.train_step(s0, buf, prng.key(3), loss_fn, ocfg)
     s_acc, m_acc = train.train_step_accumulated(s0, packing.pack(buf, 34, 17), prng.key(3), loss_fn, ocfg)
+    again, _ = train.train_step_accumulated(s0, packing.pack(buf, 34, 17), prng.key(3), loss_fn, ocfg)
+    assert tree_hash(again) == tree_hash(s_acc)  # a fixed plan and summation order: bitwise replayable
     assert int(s_acc.step) == int(s_full.step) == 1
     moved = max(float((a - b).abs().max())
                 for a, b in zip(tree_leaves(s_full.params), tree_leaves(params), strict=True))
@@ -258,6 +261,20 @@ def test_recompute_gives_the_same_gradients_under_torch_func_grad(params):
     g1 = grad(lambda p: plain(p, mb, key)[0])(params)
     g2 = grad(lambda p: remat(p, mb, key)[0])(params)
     assert_trees_close(g2, g1, rel=1e-5)
+
+
+def test_autograd_gradient_equals_torch_func_grad_and_leaves_params_alone(params):
+    buf = make_buffer()
+    mb = packing.pack(buf, 64, 32)[0]
+    loss_cfg = train.PolicyLossConfig(kl_coef=0.1, eps_clip=0.1)
+    loss_fn = train.make_grpo_loss(dataclasses.replace(CFG, recompute=True), loss_cfg)
+    before = tree_hash(params)
+    g_func, (l_func, aux_func) = train.loss_and_grad(params, mb, prng.key(0), train.make_grpo_loss(CFG, loss_cfg))
+    g_ag, (l_ag, aux_ag) = train.loss_and_grad(params, mb, prng.key(0), loss_fn, use_autograd=True)
+    assert tree_hash(params) == before and all(not x.requires_grad for x in tree_leaves(g_ag))
+    torch.testing.assert_close(l_ag, l_func, rtol=1e-6, atol=1e-7)
+    assert_trees_close(g_ag, g_func, rel=1e-5)
+    assert_trees_close(aux_ag, aux_func, rel=1e-5)
 
 
 def test_recompute_keeps_only_layer_inputs_for_backward(params):
