@@ -90,9 +90,12 @@ flags.DEFINE_boolean("offload_train_state", False, "Park params and optimizer st
                      "rollout engine runs (colocated mode).")
 flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried.",
                      lower_bound=0)
-flags.register_validator("pack_row_len", lambda v: v == 0 or FLAGS.max_tokens_per_micro_batch == 0
-                         or v <= FLAGS.max_tokens_per_micro_batch,
-                         "--pack_row_len must not exceed --max_tokens_per_micro_batch")
+flags.register_multi_flags_validator(
+    ["pack_row_len", "max_tokens_per_micro_batch"],
+    lambda v: not v["pack_row_len"] or not v["max_tokens_per_micro_batch"]
+    or v["pack_row_len"] <= v["max_tokens_per_micro_batch"],
+    "--pack_row_len must not exceed --max_tokens_per_micro_batch",
+)
 
 
 flags.register_multi_flags_validator(

@@ -218,10 +218,10 @@ def aggregate(per_token: torch.Tensor, batch: RolloutBuffer | PackedBatch, mode:
     mask = batch.loss_mask
     x = torch.where(mask > 0, per_token, torch.zeros_like(per_token))
     if mode == "token_mean":
-        return x.sum() / torch.clamp(batch.num_tokens, min=1.0)
+        return x.sum() / torch.clamp(normalizer(batch, mode), min=1.0)
     if mode == "seq_mean_token_mean":
         per_seq = sample_columns(x, batch).sum(-1) / torch.clamp(sample_columns(mask, batch).sum(-1), min=1.0)
-        return per_seq.sum() / torch.clamp(batch.num_samples, min=1.0)
+        return per_seq.sum() / torch.clamp(normalizer(batch, mode), min=1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose token_mean or seq_mean_token_mean")
 
 

@@ -7,7 +7,7 @@ its own from the pieces in `losses` and `advantages` and passes it in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,40 +93,51 @@ def accumulate_gradients(
     """(sum of gradients, sum of losses, sum of aux, {"micro_batches", "oom_splits"}) over micro_batches."""
     if not micro_batches:
         raise ValueError("train_step_accumulated needs at least one micro-batch")
-    total: list[Any] = [None, None, None]
-    count = {"micro_batches": 0, "oom_splits": 0}
-
-    def add(mb: PackedBatch, depth: int) -> None:
-        try:
-            g, (loss, aux) = loss_and_grad(params, mb, key, loss_fn, use_autograd)
-        except torch.OutOfMemoryError as e:
-            n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
-            if depth >= max_oom_splits or n < 2:
-                raise torch.OutOfMemoryError(
-                    f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
-                    f"splits (--max_oom_splits={max_oom_splits}); lower --max_tokens_per_micro_batch: {e}"
-                ) from e
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            count["oom_splits"] += 1
-            if log is not None:
-                log(f"out of memory on a micro-batch of {n} samples ({tuple(mb.tokens.shape)} tokens): "
-                    f"splitting in two and retrying (depth {depth + 1})")
-            for half in packing.split(mb):
-                add(half, depth + 1)
-            return
-        count["micro_batches"] += 1
-        if total[0] is None:
-            total[:] = [g, loss, aux]
-        else:
-            total[0] = tree_map(torch.add, total[0], g)
-            total[1] = total[1] + loss
-            total[2] = {k: total[2][k] + v for k, v in aux.items()}
-
+    grads, loss, aux, done, splits = None, torch.zeros(()), {}, 0, 0
     for mb in micro_batches:
-        add(mb, 0)
-    stats = {k: torch.tensor(float(v)) for k, v in count.items()}
-    return total[0], total[1], total[2], stats
+        for r in _micro_batch_grads(params, mb, key, loss_fn, use_autograd, 0, max_oom_splits, log):
+            if r is None:
+                splits += 1
+                continue
+            g, l_mb, a_mb = r
+            grads = g if grads is None else tree_map(torch.add, grads, g)
+            loss = loss + l_mb
+            aux = a_mb if not aux else {k: aux[k] + v for k, v in a_mb.items()}
+            done += 1
+    stats = {"micro_batches": torch.tensor(float(done)), "oom_splits": torch.tensor(float(splits))}
+    return grads, loss, aux, stats
+
+
+def _micro_batch_grads(
+    params: Any,
+    mb: Any,
+    key: prng.Key,
+    loss_fn: LossFn,
+    use_autograd: bool,
+    depth: int,
+    max_oom_splits: int,
+    log: Callable[[str], None] | None,
+) -> Iterator[tuple[Any, torch.Tensor, dict[str, torch.Tensor]] | None]:
+    """(grads, loss, aux) of mb, or after an out-of-memory error those of its halves (None marks a split)."""
+    try:
+        g, (loss, aux) = loss_and_grad(params, mb, key, loss_fn, use_autograd)
+    except torch.OutOfMemoryError as e:
+        n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
+        if depth >= max_oom_splits or n < 2:
+            raise torch.OutOfMemoryError(
+                f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
+                f"splits (--max_oom_splits={max_oom_splits}); lower --max_tokens_per_micro_batch: {e}"
+            ) from e
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if log is not None:
+            log(f"out of memory on a micro-batch of {n} samples ({tuple(mb.tokens.shape)} tokens): "
+                f"splitting in two and retrying (depth {depth + 1})")
+        yield None
+        for half in packing.split(mb):
+            yield from _micro_batch_grads(params, half, key, loss_fn, use_autograd, depth + 1, max_oom_splits, log)
+        return
+    yield g, loss, aux
 
 
 def loss_and_grad(

@@ -98,6 +98,8 @@ def test_packed_layout_restarts_positions_and_masks_boundaries():
         back = packing.unpack([getattr(mb, f) for mb in mbs], mbs, *buf.tokens.shape)
         assert torch.equal(back, getattr(buf, f) * valid_columns(buf)), f
     assert sum(float(mb.loss_mask.sum()) for mb in mbs) == float(buf.loss_mask.sum()) == float(mbs[0].num_tokens)
+    for mb in mbs:  # per-sample view and back
+        assert torch.equal(packing.packed_columns(packing.sample_columns(mb.old_logprobs, mb), mb), mb.old_logprobs)
 
 
 @pytest.mark.parametrize("row_len", [17, 34, 64])
