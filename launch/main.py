@@ -18,7 +18,8 @@ import torch
 from absl import app, flags
 
 from launch import flags as run_flags
-from launch.engines.embedded import EmbeddedEngine
+from launch.engines import Engine, EngineError, make_engine
+from launch.engines.base import generate_batch
 from launch.metrics import MetricsWriter, plot_curves, to_floats
 from miles_fn import model, prng, train
 from miles_fn.batching import pack_right_padded
@@ -43,7 +44,7 @@ class Job:
     cfg: run_flags.RunConfig
     task: AdditionTask
     state: TrainState
-    engine: EmbeddedEngine
+    engine: Engine
     eval_pairs: list[tuple[int, int]]
 
 
@@ -68,7 +69,8 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
     state = train.init_state(params, root)
-    return Job(cfg, task, state, EmbeddedEngine(cfg.model, state.params), task.heldout_pairs(cfg.eval_size))
+    engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads)
+    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size))
 
 
 def evaluate(job: Job) -> float:
@@ -76,8 +78,8 @@ def evaluate(job: Job) -> float:
     task = job.task
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
                             stop_token_ids=(task.tokenizer.eos_id,))
-    gen = job.engine.generate([task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
-    return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs)) / len(job.eval_pairs)
+    gen = generate_batch(job.engine, [task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
+    return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs, strict=True)) / len(job.eval_pairs)
 
 
 def sft_batch(task: AdditionTask, key: prng.Key, n: int) -> RolloutBuffer:
@@ -105,7 +107,7 @@ def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, di
     cfg, task, g = job.cfg, job.task, job.cfg.group_size
     pairs = task.sample_pairs(prng.fold_in(key, K_DATA), cfg.prompts_per_step)
     prompts = [task.prompt_ids(*p) for p in pairs for _ in range(g)]
-    gen = job.engine.generate(prompts, prng.fold_in(key, K_ROLLOUT), cfg.sampling)
+    gen = generate_batch(job.engine, prompts, prng.fold_in(key, K_ROLLOUT), cfg.sampling)
     rewards = [task.reward(r, pairs[i // g]) for i, r in enumerate(gen.tokens)]
     buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
                                cfg.normalize_advantage_std)
@@ -119,7 +121,7 @@ def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, di
         "reward_mean": buf.rewards.mean(),
         "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
         "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
-        "weight_version": torch.tensor(float(job.engine.version)),
+        "weight_version": torch.tensor(float(min(gen.weight_versions))),
     }
     return buf, stats
 
@@ -186,7 +188,7 @@ def main(argv: list[str]) -> None:
     cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
     try:
         summary = run(cfg)
-    except UserError as e:
+    except (UserError, EngineError) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

@@ -1,0 +1,23 @@
+"""Configuration of the rollout engine (built from flags in launch/flags.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "embedded"  # embedded | http (launch.rollout_server) | sglang
+    batch_size: int = 0  # requests per engine call (0 = the whole step): results depend on it
+    url: str = ""  # http: an already running rollout server (else this run starts one)
+    sglang_url: str = ""  # sglang: an already running server or router (else this run starts one)
+    max_inflight: int = 8
+    timeout_s: float = 120.0
+    max_restarts: int = 3
+    backoff_s: float = 0.5
+    start_timeout_s: float = 120.0
+    weight_sync: str = "tensor"  # tensor | disk (sglang always syncs through disk here)
+    tp_size: int = 1
+    mem_fraction_static: float = 0.7
+    true_on_policy: bool = False  # sglang: --enable-deterministic-inference
+    server_fault: str = ""  # tests only: "crash_once:N" or "crash_always:N"
