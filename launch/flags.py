@@ -97,6 +97,14 @@ flags.DEFINE_float("sglang_mem_fraction_static", 0.7, "sglang: --mem-fraction-st
 flags.DEFINE_boolean("true_on_policy", False, "sglang: start it with --enable-deterministic-inference.")
 flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
                     "(the started server dies on /generate call N; see launch/engines/__init__.py).")
+flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
+flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
+flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function stops the run, or scores 0.")
+flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
+flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
+flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
+flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
+flags.DEFINE_string("load_rollouts", "", "Train from buffers saved by --save_rollouts in DIR (no rollout).")
 flags.register_validator(
     "debug_rollout_server_fault",
     lambda v: not v or (v.partition(":")[0] in ("crash_once", "crash_always", "crash_permanent")
@@ -231,6 +239,14 @@ def rollout_config_from_flags() -> RolloutConfig:
         mem_fraction_static=f.sglang_mem_fraction_static,
         true_on_policy=f.true_on_policy,
         server_fault=f.debug_rollout_server_fault,
+        custom_generate_fn=f.custom_generate_fn,
+        custom_reward_fn=f.custom_reward_fn,
+        reward_errors=f.reward_errors,
+        prompt_data=f.prompt_data,
+        input_key=f.input_key,
+        label_key=f.label_key,
+        save_rollouts=f.save_rollouts,
+        load_rollouts=f.load_rollouts,
     )
 
 

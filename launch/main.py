@@ -21,6 +21,9 @@ from launch import flags as run_flags
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.metrics import MetricsWriter, plot_curves, to_floats
+from launch.plugins import PluginError
+from launch.rollout import DataError, collect
+from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
 from miles_fn import model, prng, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
@@ -104,13 +107,16 @@ def sft_warmup(job: Job) -> float:
 
 
 def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
-    cfg, task, g = job.cfg, job.task, job.cfg.group_size
-    pairs = task.sample_pairs(prng.fold_in(key, K_DATA), cfg.prompts_per_step)
-    prompts = [task.prompt_ids(*p) for p in pairs for _ in range(g)]
-    gen = generate_batch(job.engine, prompts, prng.fold_in(key, K_ROLLOUT), cfg.sampling)
-    rewards = [task.reward(r, pairs[i // g]) for i, r in enumerate(gen.tokens)]
+    cfg, g = job.cfg, job.cfg.group_size
+    rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
+    if cfg.rollout.load_rollouts:
+        return load_rollout(cfg.rollout.load_rollouts, rl_step)
+    col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
+                  prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
+                  cfg.prompts_per_step, g)
+    prompts, gen, rewards = col.prompts, col.batch, col.rewards
     buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
-                               cfg.normalize_advantage_std)
+                               cfg.normalize_advantage_std, col.loss_masks)
     if ref_params is not None:
         with torch.no_grad():
             ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
@@ -122,7 +128,10 @@ def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, di
         "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
         "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
         "weight_version": torch.tensor(float(min(gen.weight_versions))),
+        "reward_errors": torch.tensor(float(col.reward_errors)),
     }
+    if cfg.rollout.save_rollouts:
+        save_rollout(cfg.rollout.save_rollouts, rl_step, buf, stats)
     return buf, stats
 
 
@@ -188,7 +197,7 @@ def main(argv: list[str]) -> None:
     cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
     try:
         summary = run(cfg)
-    except (UserError, EngineError) as e:
+    except (UserError, EngineError, PluginError, DataError, RolloutFileError) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

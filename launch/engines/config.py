@@ -20,4 +20,13 @@ class RolloutConfig:
     tp_size: int = 1
     mem_fraction_static: float = 0.7
     true_on_policy: bool = False  # sglang: --enable-deterministic-inference
-    server_fault: str = ""  # tests only: "crash_once:N" or "crash_always:N"
+    server_fault: str = ""  # tests only: "crash_once:N", "crash_always:N" or "crash_permanent:N"
+    # What is rolled out and how it is scored (launch/rollout.py, launch/plugins.py, launch/data.py)
+    custom_generate_fn: str = ""  # module:function
+    custom_reward_fn: str = ""  # module:function
+    reward_errors: str = "raise"  # raise | zero
+    prompt_data: str = ""  # JSONL path
+    input_key: str = "input"
+    label_key: str = "label"
+    save_rollouts: str = ""  # DIR: write each RL step's buffer (launch/rollout_io.py)
+    load_rollouts: str = ""  # DIR: train from saved buffers instead of rolling out

@@ -160,7 +160,8 @@ def decode_tensors(blob: str) -> dict[str, torch.Tensor]:
     """Tensors from one TENSOR_FORMAT string; ValueError if it is not base64 safetensors."""
     try:
         raw = base64.b64decode(blob.encode("ascii"), validate=True)
-        return st_load(raw)
+        # clone: own, aligned storage (CPU kernels give different bits on unaligned data)
+        return {k: v.clone() for k, v in st_load(raw).items()}
     except Exception as e:  # binascii.Error, SafetensorError, UnicodeError: all mean a bad payload
         raise ValueError(f"serialized_named_tensors: not base64 safetensors ({type(e).__name__}: {e})") from None
 
