@@ -20,6 +20,7 @@ from absl import app, flags
 from launch import flags as run_flags
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
+from launch.evaluation import sampled_pass_at_k
 from launch.metrics import MetricsWriter, plot_curves, to_floats
 from launch.plugins import PluginError
 from launch.rollout import DataError, collect
@@ -167,6 +168,10 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         metrics.update(time_rollout=t_roll - t_step, time_train=time.time() - t_roll)
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
             metrics["eval_success"] = last_eval = evaluate(job)
+            if cfg.rollout.eval_pass_k:
+                metrics.update(sampled_pass_at_k(job.engine, [job.task.prompt_ids(*p) for p in job.eval_pairs],
+                                                 job.eval_pairs, job.task.reward, cfg.sampling,
+                                                 cfg.rollout.eval_pass_k, (1, cfg.rollout.eval_pass_k)))
         writer.write(step + 1, metrics)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(job)

@@ -185,3 +185,30 @@ def test_training_from_saved_rollouts_reproduces_the_run(tmp_path):
     assert hash_of(a) == hash_of(b)
     c = run(f"--output_dir={tmp_path / 'c'}", f"--load_rollouts={saved}", "--num_steps=3")
     assert c.returncode != 0 and "no saved rollout for RL step 3" in c.stderr and "Traceback" not in c.stderr
+
+
+def test_pass_at_k_matches_brute_force_over_subsets():
+    import itertools
+
+    from launch.evaluation import pass_at_k
+
+    for n, c, k in [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 3, 4), (4, 4, 2), (7, 1, 7)]:
+        outcomes = [1] * c + [0] * (n - c)
+        subsets = list(itertools.combinations(range(n), k))
+        brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+        assert abs(pass_at_k(n, c, k) - brute) < 1e-12
+
+
+def test_sampled_pass_at_k_counts_passing_samples_per_prompt():
+    from launch.evaluation import sampled_pass_at_k
+
+    class Alternating:
+        """Sample j of every prompt passes iff j is even (n=4: c=2 per prompt)."""
+        version = 0
+
+        def generate(self, requests, sampling):
+            return [Sample([r.rid % 4 % 2], [0.0], "stop", 0) for r in requests]
+
+    out = sampled_pass_at_k(Alternating(), [[1], [1, 2]], [None, None], lambda toks, lab: float(toks == [0]),
+                            SamplingConfig(), 4, (1, 2))
+    assert out == {"eval_pass@1": 0.5, "eval_pass@2": 1 - 1 / 6}

@@ -29,4 +29,5 @@ class RolloutConfig:
     input_key: str = "input"
     label_key: str = "label"
     save_rollouts: str = ""  # DIR: write each RL step's buffer (launch/rollout_io.py)
+    eval_pass_k: int = 0  # k of pass@k at each evaluation (k samples per held-out prompt; 0 = off)
     load_rollouts: str = ""  # DIR: train from saved buffers instead of rolling out
