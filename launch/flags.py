@@ -103,6 +103,8 @@ flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward
 flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
 flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
 flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
+flags.DEFINE_float("over_sampling", 1.0, "Draw this many times --prompts_per_step and train on the groups whose "
+                   "rewards differ (then constant ones).", lower_bound=1.0)
 flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k samples per held-out prompt.",
                      lower_bound=0)
 flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
@@ -250,6 +252,7 @@ def rollout_config_from_flags() -> RolloutConfig:
         save_rollouts=f.save_rollouts,
         load_rollouts=f.load_rollouts,
         eval_pass_k=f.eval_pass_k,
+        over_sampling=f.over_sampling,
     )
 
 

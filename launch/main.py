@@ -130,6 +130,7 @@ def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, di
         "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
         "weight_version": torch.tensor(float(min(gen.weight_versions))),
         "reward_errors": torch.tensor(float(col.reward_errors)),
+        "informative_groups_frac": torch.tensor(col.informative_groups / cfg.prompts_per_step),
     }
     if cfg.rollout.save_rollouts:
         save_rollout(cfg.rollout.save_rollouts, rl_step, buf, stats)

@@ -7,6 +7,8 @@ rewards come from the task, exact match against the dataset label, or `--custom_
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from launch import data, plugins
@@ -27,16 +29,27 @@ class Collected(NamedTuple):
     loss_masks: list[list[int]] | None  # None = every response token is trained on
     rewards: list[float]
     reward_errors: int
+    informative_groups: int = 0  # groups whose rewards are not all equal (they carry a GRPO signal)
 
 
-def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: prng.Key, step: int, n: int
+def select_groups(rewards: Sequence[float], group: int, keep: int) -> list[int]:
+    """Indices of the `keep` groups to train on out of an over-sampled batch: groups whose rewards
+    differ first (a constant group has zero GRPO advantage), then constant ones, each in order."""
+    n = len(rewards) // group
+    informative = [g for g in range(n) if len(set(rewards[g * group : (g + 1) * group])) > 1]
+    rest = [g for g in range(n) if g not in set(informative)]
+    return sorted((informative + rest)[:keep])
+
+
+def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: prng.Key, start: int, n: int
                  ) -> tuple[list[list[int]], list[Any]]:
-    """(prompt ids, labels) of step `step`'s n prompts."""
+    """(prompt ids, labels) of n prompts: from the task (drawn with data_key), or dataset samples
+    start .. start+n-1 of the run's seeded stream."""
     if not rcfg.prompt_data:
         pairs = task.sample_pairs(data_key, n)
         return [task.prompt_ids(*p) for p in pairs], pairs
     rows = data.cached_jsonl(rcfg.prompt_data, rcfg.input_key, rcfg.label_key)
-    picked = data.rows_at(rows, prng.fold_in(root_key, DATA_ORDER_STREAM), step * n, n)
+    picked = data.rows_at(rows, prng.fold_in(root_key, DATA_ORDER_STREAM), start, n)
     ids = []
     for r in picked:
         try:
@@ -48,7 +61,8 @@ def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: p
 
 def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingConfig, data_key: prng.Key,
             rollout_key: prng.Key, root_key: prng.Key, step: int, n_prompts: int, group: int) -> Collected:
-    base, labels = step_prompts(task, rcfg, data_key, root_key, step, n_prompts)
+    n_drawn = math.ceil(n_prompts * rcfg.over_sampling) if rcfg.over_sampling > 1 else n_prompts
+    base, labels = step_prompts(task, rcfg, data_key, root_key, step * n_drawn, n_drawn)
     prompts = [p for p in base for _ in range(group)]
     sample_labels = [lab for lab in labels for _ in range(group)]
     masks = None
@@ -73,4 +87,12 @@ def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCo
                    for r, lab in zip(batch.tokens, sample_labels, strict=True)]
     else:
         rewards = [task.reward(r, lab) for r, lab in zip(batch.tokens, sample_labels, strict=True)]
-    return Collected(prompts, batch, masks, rewards, errors)
+    groups = select_groups(rewards, group, n_prompts)
+    informative = sum(len(set(rewards[g * group : (g + 1) * group])) > 1 for g in groups)
+    if n_drawn == n_prompts:
+        return Collected(prompts, batch, masks, rewards, errors, informative)
+    idx = [g * group + j for g in groups for j in range(group)]
+    pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+    batch = Batch(*(pick(col) for col in batch))
+    return Collected(pick(prompts), batch, pick(masks) if masks is not None else None, pick(rewards), errors,
+                     informative)

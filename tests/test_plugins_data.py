@@ -154,7 +154,8 @@ def test_main_runs_a_jsonl_dataset_with_the_calculator_plugins(tmp_path):
     args = ["--num_steps=2", "--sft_warmup_steps=0", "--eval_every=0", "--eval_size=4", "--prompts_per_step=2",
             "--group_size=2", "--hidden_size=32", "--intermediate_size=48", "--noprogress", "--notensorboard",
             "--num_threads=1", f"--prompt_data={d}", "--custom_generate_fn=examples.calculator_tool:generate",
-            "--custom_reward_fn=examples.calculator_tool:reward", f"--output_dir={tmp_path / 'run'}"]
+            "--custom_reward_fn=examples.calculator_tool:reward", "--over_sampling=1.5",
+            f"--output_dir={tmp_path / 'run'}"]
     p = subprocess.run([sys.executable, "-m", "launch.main", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -212,3 +213,13 @@ def test_sampled_pass_at_k_counts_passing_samples_per_prompt():
     out = sampled_pass_at_k(Alternating(), [[1], [1, 2]], [None, None], lambda toks, lab: float(toks == [0]),
                             SamplingConfig(), 4, (1, 2))
     assert out == {"eval_pass@1": 0.5, "eval_pass@2": 1 - 1 / 6}
+
+
+def test_over_sampling_keeps_groups_with_differing_rewards_first():
+    from launch.rollout import select_groups
+
+    #            g0 const   g1 mixed  g2 const  g3 mixed  g4 mixed
+    rewards = [1, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    assert select_groups(rewards, 2, 2) == [1, 3]
+    assert select_groups(rewards, 2, 3) == [1, 3, 4]
+    assert select_groups(rewards, 2, 4) == [0, 1, 3, 4]  # filled with the first constant group, in order

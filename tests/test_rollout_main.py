@@ -85,3 +85,36 @@ def test_server_that_cannot_come_back_stops_the_run_with_a_clear_error_and_train
     # Step 1 completed and was checkpointed; step 2's batch was cut short, so step 2 never trained.
     assert metrics(tmp_path) == embedded[1][:1]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002"]
+
+
+def test_sglang_backend_drives_an_sglang_compatible_server_through_disk_sync(tmp_path):
+    """The SGLang backend's client (disk weight sync, 63-bit seeds) against launch.rollout_server."""
+    task = AdditionTask(digits=2)
+    cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+                      max_position_embeddings=64)
+    from miles_fn import model, prng
+
+    hf.save_hf(str(tmp_path / "init"), cfg, model.init_params(cfg, prng.key(99), 0.02))
+
+    def command(port: int, first: bool) -> list[str]:
+        return [sys.executable, "-m", "launch.rollout_server", "--model-path", str(tmp_path / "init"),
+                "--port", str(port), "--num-threads", "1", "--watch-parent"]
+
+    server = ServerProcess(command, str(tmp_path / "server.log"), 120, cwd=ROOT)
+    url = server.start()
+    try:
+        p = run_main(tmp_path / "run", "--rollout_backend=sglang", f"--sglang_url={url}")
+    finally:
+        server.stop()
+    summary(p)
+    assert [r["weight_version"] for r in metrics(tmp_path / "run")] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "run" / "rollout_weights")) == ["v00000003"]  # older versions removed
+
+
+def test_sglang_backend_without_sglang_or_url_says_what_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    p = run_main(tmp_path, "--rollout_backend=sglang")
+    assert p.returncode != 0 and "needs the package 'sglang'" in p.stderr and "Traceback" not in p.stderr

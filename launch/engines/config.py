@@ -29,5 +29,6 @@ class RolloutConfig:
     input_key: str = "input"
     label_key: str = "label"
     save_rollouts: str = ""  # DIR: write each RL step's buffer (launch/rollout_io.py)
+    over_sampling: float = 1.0  # draw this many times the prompts, keep groups with differing rewards
     eval_pass_k: int = 0  # k of pass@k at each evaluation (k samples per held-out prompt; 0 = off)
     load_rollouts: str = ""  # DIR: train from saved buffers instead of rolling out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -238,9 +239,13 @@ def disk_sync(cfg: ModelConfig, root: str) -> Callable[[SGLangClient, int, Any],
     """Write the weights as a Hugging Face checkpoint under root/v<version>, then point the server at it."""
 
     def sync(client: SGLangClient, version: int, params: Any) -> None:
-        path = os.path.abspath(os.path.join(root, f"v{version:08d}"))
+        name = f"v{version:08d}"
+        path = os.path.abspath(os.path.join(root, name))
         if not os.path.isfile(os.path.join(path, "config.json")):
             hf.save_hf(path, cfg, params)
         client.update_weights_from_disk(path, version)
+        for old in os.listdir(root):  # the server holds these weights now: older versions can go
+            if old.startswith("v") and old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
     return sync

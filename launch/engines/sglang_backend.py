@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import third_party
+from launch.engines.base import EngineError
 from launch.engines.config import RolloutConfig
 from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync
 from launch.engines.sglang_api import SEED_MASK_63
@@ -41,7 +42,10 @@ def make_sglang_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, outp
                   seed_mask=SEED_MASK_63)
     if rcfg.sglang_url:
         return RemoteEngine(mcfg, params, version, url=rcfg.sglang_url, **common)
-    third_party.require("sglang", "--rollout_backend=sglang without --sglang_url")
+    try:
+        third_party.require("sglang", "--rollout_backend=sglang without --sglang_url")
+    except third_party.MissingPackageError as e:
+        raise EngineError(str(e)) from None
     init = os.path.abspath(os.path.join(wdir, "init"))
     hf.save_hf(init, mcfg, params)
     proc = ServerProcess(lambda port, first: launch_command(init, port, rcfg, version),
