@@ -1,5 +1,6 @@
 """The rollout server and the SGLang client over real HTTP on 127.0.0.1, against in-process references."""
 
+import asyncio
 import json
 import os
 import sys
@@ -118,6 +119,11 @@ def test_http_engine_equals_embedded_and_follows_weight_updates(server):
     local = EmbeddedEngine(CFG, p1, 1, batch_size=3)
     reqs = make_requests(PROMPTS, prng.key(5))
     assert remote.generate(reqs, SAMPLING) == local.generate(reqs, SAMPLING)
+
+    async def from_a_coroutine():  # as an async custom generate function would call it
+        return remote.generate(reqs, SAMPLING)
+
+    assert asyncio.run(from_a_coroutine()) == local.generate(reqs, SAMPLING)
 
     remote.update_weights(7, p2)
     local.update_weights(7, p2)

@@ -81,7 +81,13 @@ class SGLangClient:
 
             return await asyncio.gather(*(one(c) for c in chunks), return_exceptions=True)
 
-        return asyncio.run(run())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run())
+        # Called from inside an event loop (an async plugin): the same calls on the pool, no nested loop.
+        futures = [self._pool.submit(self.generate_chunk, c, sampling) for c in chunks]
+        return [f.exception() or f.result() for f in futures]
 
     # --- control -------------------------------------------------------------------------------
     def health(self, timeout_s: float = 5.0) -> bool:
