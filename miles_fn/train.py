@@ -79,6 +79,9 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
             aux["kl"] = kl.detach()
         with torch.no_grad():
             aux["entropy_proxy"] = losses.aggregate(-logp, batch.loss_mask, "token_mean")
+            # |trainer - engine| log-prob of the sampled tokens, before this step's update: the rollout mismatch.
+            aux["train_rollout_logprob_abs_diff"] = losses.aggregate((logp - batch.old_logprobs).abs(),
+                                                                     batch.loss_mask, "token_mean")
         return loss, aux
 
     return loss_fn
