@@ -10,6 +10,7 @@ import dataclasses
 
 from absl import flags
 
+from launch.engines.config import RolloutConfig
 from miles_fn.config import ModelConfig
 from miles_fn.memory import MemoryConfig
 from miles_fn.optim import OptimConfig
@@ -98,6 +99,46 @@ flags.register_multi_flags_validator(
 )
 
 
+# Rollout engine (launch/engines/)
+flags.DEFINE_enum("rollout_backend", "embedded", ["embedded", "http", "sglang"],
+                  "Who generates: this process, launch.rollout_server over HTTP, or SGLang.")
+flags.DEFINE_integer("rollout_batch_size", 0, "Requests per engine call (0 = the whole step); results depend on it.",
+                     lower_bound=0)
+flags.DEFINE_string("rollout_url", "", "http backend: an already running launch.rollout_server (else one is started).")
+flags.DEFINE_string("sglang_url", "", "sglang backend: a running SGLang server or router (else one is started).")
+flags.DEFINE_integer("rollout_max_inflight", 8, "Engine calls in flight at once (http, sglang).", lower_bound=1)
+flags.DEFINE_float("rollout_timeout_s", 120.0, "Seconds one engine call may take before the server counts as down.",
+                   lower_bound=0.1)
+flags.DEFINE_integer("rollout_max_restarts", 3, "Server recoveries per batch before the run stops.", lower_bound=0)
+flags.DEFINE_float("rollout_backoff_s", 0.5, "First wait before a recovery attempt; doubles per attempt.",
+                   lower_bound=0.0)
+flags.DEFINE_enum("rollout_weight_sync", "tensor", ["tensor", "disk"], "http backend: weights by request body or file.")
+flags.DEFINE_integer("sglang_tp_size", 1, "sglang: --tp-size of a started server.", lower_bound=1)
+flags.DEFINE_float("sglang_mem_fraction_static", 0.7, "sglang: --mem-fraction-static of a started server.",
+                   lower_bound=0.05, upper_bound=0.99)
+flags.DEFINE_boolean("true_on_policy", False, "sglang: start it with --enable-deterministic-inference.")
+flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
+                    "(the started server dies on /generate call N; see launch/engines/__init__.py).")
+flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
+flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
+flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function stops the run, or scores 0.")
+flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
+flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
+flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
+flags.DEFINE_float("over_sampling", 1.0, "Draw this many times --prompts_per_step and train on the groups whose "
+                   "rewards differ (then constant ones).", lower_bound=1.0)
+flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k samples per held-out prompt.",
+                     lower_bound=0)
+flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
+flags.DEFINE_string("load_rollouts", "", "Train from buffers saved by --save_rollouts in DIR (no rollout).")
+flags.register_validator(
+    "debug_rollout_server_fault",
+    lambda v: not v or (v.partition(":")[0] in ("crash_once", "crash_always", "crash_permanent")
+                        and v.partition(":")[2].isdigit()),
+    "--debug_rollout_server_fault must be crash_once:N, crash_always:N or crash_permanent:N",
+)
+
+
 flags.register_multi_flags_validator(
     ["num_heads", "num_kv_heads"],
     lambda v: v["num_heads"] % v["num_kv_heads"] == 0,
@@ -138,6 +179,7 @@ class RunConfig:
     sft_optim: OptimConfig
     loss: PolicyLossConfig
     memory: MemoryConfig = MemoryConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -212,6 +254,36 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             offload_train_state=f.offload_train_state,
             max_oom_splits=f.max_oom_splits,
         ),
+        rollout=rollout_config_from_flags(),
+    )
+
+
+def rollout_config_from_flags() -> RolloutConfig:
+    f = FLAGS
+    return RolloutConfig(
+        backend=f.rollout_backend,
+        batch_size=f.rollout_batch_size,
+        url=f.rollout_url,
+        sglang_url=f.sglang_url,
+        max_inflight=f.rollout_max_inflight,
+        timeout_s=f.rollout_timeout_s,
+        max_restarts=f.rollout_max_restarts,
+        backoff_s=f.rollout_backoff_s,
+        weight_sync=f.rollout_weight_sync,
+        tp_size=f.sglang_tp_size,
+        mem_fraction_static=f.sglang_mem_fraction_static,
+        true_on_policy=f.true_on_policy,
+        server_fault=f.debug_rollout_server_fault,
+        custom_generate_fn=f.custom_generate_fn,
+        custom_reward_fn=f.custom_reward_fn,
+        reward_errors=f.reward_errors,
+        prompt_data=f.prompt_data,
+        input_key=f.input_key,
+        label_key=f.label_key,
+        save_rollouts=f.save_rollouts,
+        load_rollouts=f.load_rollouts,
+        eval_pass_k=f.eval_pass_k,
+        over_sampling=f.over_sampling,
     )
 
 

@@ -19,8 +19,13 @@ from absl import app, flags
 
 from launch import flags as run_flags
 from launch import memory as launch_memory
-from launch.engines.embedded import EmbeddedEngine
+from launch.engines import Engine, EngineError, make_engine
+from launch.engines.base import generate_batch
+from launch.evaluation import sampled_pass_at_k
 from launch.metrics import MetricsWriter, plot_curves, to_floats
+from launch.plugins import PluginError
+from launch.rollout import DataError, collect
+from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
 from miles_fn import model, prng, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
@@ -44,7 +49,7 @@ class Job:
     cfg: run_flags.RunConfig
     task: AdditionTask
     state: TrainState
-    engine: EmbeddedEngine
+    engine: Engine
     eval_pairs: list[tuple[int, int]]
 
 
@@ -69,7 +74,8 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
     state = train.init_state(params, root)
-    return Job(cfg, task, state, EmbeddedEngine(cfg.model, state.params), task.heldout_pairs(cfg.eval_size))
+    engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads)
+    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size))
 
 
 def evaluate(job: Job) -> float:
@@ -77,8 +83,8 @@ def evaluate(job: Job) -> float:
     task = job.task
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
                             stop_token_ids=(task.tokenizer.eos_id,))
-    gen = job.engine.generate([task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
-    return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs)) / len(job.eval_pairs)
+    gen = generate_batch(job.engine, [task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
+    return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs, strict=True)) / len(job.eval_pairs)
 
 
 def sft_batch(task: AdditionTask, key: prng.Key, n: int) -> RolloutBuffer:
@@ -103,13 +109,16 @@ def sft_warmup(job: Job) -> float:
 
 
 def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
-    cfg, task, g = job.cfg, job.task, job.cfg.group_size
-    pairs = task.sample_pairs(prng.fold_in(key, K_DATA), cfg.prompts_per_step)
-    prompts = [task.prompt_ids(*p) for p in pairs for _ in range(g)]
-    gen = job.engine.generate(prompts, prng.fold_in(key, K_ROLLOUT), cfg.sampling)
-    rewards = [task.reward(r, pairs[i // g]) for i, r in enumerate(gen.tokens)]
+    cfg, g = job.cfg, job.cfg.group_size
+    rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
+    if cfg.rollout.load_rollouts:
+        return load_rollout(cfg.rollout.load_rollouts, rl_step)
+    col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
+                  prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
+                  cfg.prompts_per_step, g)
+    prompts, gen, rewards = col.prompts, col.batch, col.rewards
     buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
-                               cfg.normalize_advantage_std)
+                               cfg.normalize_advantage_std, col.loss_masks)
     if ref_params is not None:
         with torch.no_grad():
             ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
@@ -120,8 +129,12 @@ def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, di
         "reward_mean": buf.rewards.mean(),
         "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
         "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
-        "weight_version": torch.tensor(float(job.engine.version)),
+        "weight_version": torch.tensor(float(min(gen.weight_versions))),
+        "reward_errors": torch.tensor(float(col.reward_errors)),
+        "informative_groups_frac": torch.tensor(col.informative_groups / cfg.prompts_per_step),
     }
+    if cfg.rollout.save_rollouts:
+        save_rollout(cfg.rollout.save_rollouts, rl_step, buf, stats)
     return buf, stats
 
 
@@ -159,6 +172,10 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         metrics.update(time_rollout=t_roll - t_step, time_train=time.time() - t_roll)
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
             metrics["eval_success"] = last_eval = evaluate(job)
+            if cfg.rollout.eval_pass_k:
+                metrics.update(sampled_pass_at_k(job.engine, [job.task.prompt_ids(*p) for p in job.eval_pairs],
+                                                 job.eval_pairs, job.task.reward, cfg.sampling,
+                                                 cfg.rollout.eval_pass_k, (1, cfg.rollout.eval_pass_k)))
         writer.write(step + 1, metrics)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(job)
@@ -189,7 +206,7 @@ def main(argv: list[str]) -> None:
     cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
     try:
         summary = run(cfg)
-    except (UserError, launch_memory.MemoryPlanError) as e:
+    except (UserError, launch_memory.MemoryPlanError, EngineError, PluginError, DataError, RolloutFileError) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

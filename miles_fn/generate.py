@@ -36,6 +36,20 @@ def generate(
 
     `request_ids` name each request's key stream (default: its index in `prompts`).
     """
+    ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
+    return generate_rows(params, cfg, prompts, prng.fold_in(key, ids), sampling)
+
+
+@torch.no_grad()
+def generate_rows(
+    params: model.Params,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    row_keys: prng.Key,
+    sampling: SamplingConfig,
+) -> Generation:
+    """`generate` with one key per request given directly ([B, 2]): how a server that receives
+    each request's key (as a sampling seed) reproduces what the caller would sample in-process."""
     b = len(prompts)
     if b == 0:
         return Generation([], [], [])
@@ -50,8 +64,8 @@ def generate(
             f"max_position_embeddings {cfg.max_position_embeddings}"
         )
     total = lp + n_new
-    ids = torch.tensor(request_ids if request_ids is not None else range(b), dtype=torch.int64)
-    row_keys = prng.fold_in(key, ids)  # [B, 2]
+    if tuple(row_keys.shape) != (b, 2):
+        raise ValueError(f"generate: row_keys must have shape [{b}, 2], got {tuple(row_keys.shape)}")
 
     prompt_tok = torch.zeros(b, lp, dtype=torch.int64)
     key_valid = torch.ones(b, total, dtype=torch.bool)

@@ -18,9 +18,16 @@ def build_rollout_buffer(
     rewards: Sequence[float],
     group_ids: Sequence[int],
     normalize_std: bool = True,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBuffer:
-    """Right-padded tensors of prompt+response exactly as the engine produced them, with GRPO advantages."""
+    """Right-padded tensors of prompt+response exactly as the engine produced them, with GRPO advantages.
+
+    `loss_masks` (one 0/1 per response token) drop tokens the model did not choose, such as tool
+    output in a multi-turn rollout, from the loss."""
     tokens, positions, seg, mask = pack_right_padded(list(prompts), list(responses))
+    if loss_masks is not None:
+        for i, (p, m) in enumerate(zip(prompts, loss_masks, strict=True)):
+            mask[i, len(p) - 1 : len(p) - 1 + len(m)] *= torch.tensor(m, dtype=torch.float32)
     old = torch.zeros_like(mask)
     for i, (p, lps) in enumerate(zip(prompts, response_logprobs)):
         old[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)

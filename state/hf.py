@@ -81,7 +81,8 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig,
         t = tensors.pop(name)
         if tuple(t.shape) != tuple(expected):
             raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, config implies {expected}")
-        node[where[-1]] = t.to(dtype).contiguous()
+        # clone: own, aligned storage; CPU kernels give different bits on unaligned (mmapped) data
+        node[where[-1]] = t.to(dtype).clone()
     tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy
     unknown = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
     if unknown:

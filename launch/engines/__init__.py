@@ -1,0 +1,67 @@
+"""Engine selection: `--rollout_backend=embedded|http|sglang` -> an object with the Engine interface."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from launch.engines.base import Engine, EngineError
+from launch.engines.config import RolloutConfig
+from launch.engines.embedded import EmbeddedEngine
+from miles_fn.config import ModelConfig
+
+__all__ = ["Engine", "EngineError", "RolloutConfig", "make_engine"]
+
+
+def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int = 1,
+                version: int = 0) -> Engine:
+    if rcfg.backend == "embedded":
+        return EmbeddedEngine(mcfg, params, version, rcfg.batch_size)
+    if rcfg.backend == "http":
+        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version)
+    if rcfg.backend == "sglang":
+        from launch.engines.sglang_backend import make_sglang_engine
+
+        return make_sglang_engine(rcfg, mcfg, params, output_dir, version)
+    raise ValueError(f"--rollout_backend={rcfg.backend}: expected embedded, http or sglang")
+
+
+def _fault_args(fault: str, first: bool) -> list[str]:
+    """Fault injection for tests: the server crashes on its Nth /generate call; after that a
+    restarted server works (crash_once), crashes again (crash_always) or cannot start (crash_permanent)."""
+    if not fault:
+        return []
+    mode, _, n = fault.partition(":")
+    if mode not in ("crash_once", "crash_always", "crash_permanent") or not n.isdigit():
+        raise ValueError(f"--debug_rollout_server_fault={fault}: expected crash_once:N, crash_always:N "
+                         "or crash_permanent:N")
+    if first or mode == "crash_always":
+        return ["--debug-exit-after", n]
+    return ["--debug-fail-start"] if mode == "crash_permanent" else []
+
+
+def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,
+                 version: int) -> Engine:
+    from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync, tensor_sync
+    from state import hf
+
+    wdir = os.path.join(output_dir, "rollout_weights")
+    sync = disk_sync(mcfg, wdir) if rcfg.weight_sync == "disk" else tensor_sync(mcfg)
+    recovery = RecoveryPolicy(rcfg.max_restarts, rcfg.backoff_s, rcfg.start_timeout_s)
+    common = dict(sync=sync, batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight,
+                  recovery=recovery)
+    if rcfg.url:
+        return RemoteEngine(mcfg, params, version, url=rcfg.url, **common)
+    _fault_args(rcfg.server_fault, True)  # validate before starting anything
+    init = os.path.abspath(os.path.join(wdir, "init"))
+    hf.save_hf(init, mcfg, params)
+
+    def command(port: int, first: bool) -> list[str]:
+        return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
+                "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
+                "--watch-parent", *_fault_args(rcfg.server_fault, first)]
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = ServerProcess(command, os.path.join(output_dir, "rollout_server.log"), rcfg.start_timeout_s, cwd=root)
+    return RemoteEngine(mcfg, params, version, process=proc, **common)

@@ -5,32 +5,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fn import prng
+from launch.engines.base import Request, Sample, chunked, seed_keys
 from miles_fn.config import ModelConfig
-from miles_fn.generate import Generation, generate
+from miles_fn.generate import generate_rows
 from miles_fn.sampling import SamplingConfig
 
 
 class EmbeddedEngine:
-    """Holds a reference to the current weights; update_weights swaps it and bumps the version."""
+    """Holds a reference to the current weights; update_weights swaps it and bumps the version.
 
-    def __init__(self, cfg: ModelConfig, params: Any, version: int = 0):
+    Runs requests in consecutive chunks of `batch_size` (0 = all at once), the same chunks a
+    server-backed engine sends, so both give bitwise the same samples.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Any, version: int = 0, batch_size: int = 0):
         self.cfg = cfg
         self.params = params
         self.version = version
+        self.batch_size = batch_size
 
     def update_weights(self, version: int, params: Any) -> None:
         self.params = params
         self.version = version
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        key: prng.Key,
-        sampling: SamplingConfig,
-        request_ids: Sequence[int] | None = None,
-    ) -> Generation:
-        return generate(self.params, self.cfg, prompts, key, sampling, request_ids)
+    def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
+        out: list[Sample] = []
+        for chunk in chunked(requests, self.batch_size):
+            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version))
+        return out
 
     def health(self) -> bool:
         return True
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def flush_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling: SamplingConfig, version: int
+              ) -> list[Sample]:
+    """One chunk as one batch: what the embedded engine and the rollout server both run."""
+    gen = generate_rows(params, cfg, [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]), sampling)
+    return [Sample(t, lp, f, version) for t, lp, f in zip(gen.tokens, gen.logprobs, gen.finish_reasons, strict=True)]

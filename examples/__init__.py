@@ -1,0 +1,1 @@
+"""Runnable examples of the plugin hooks (importable as examples.<name>)."""

@@ -1,0 +1,101 @@
+"""Prompt datasets: JSONL rows {input_key: prompt, label_key: label}, in a seeded order per epoch.
+
+The prompt is a string or a list of chat messages ({"role", "content"}). With a tokenizer that
+has a chat template, a string becomes one user message and the template (with the generation
+prompt) makes the ids; otherwise the ids are BOS + the encoded text. Epoch e visits the rows in
+the order prng.permutation(fold_in(key, e), n), so sample i of the run is row
+perm_{i // n}[i % n] whatever process computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+from miles_fn import prng
+
+
+class DataError(Exception):
+    """A bad dataset file or row: the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRow:
+    prompt: Any  # str, or a list of {"role", "content"} messages
+    label: Any
+    line: int  # 1-based line in the file, for messages
+
+
+def load_jsonl(path: str, input_key: str = "input", label_key: str = "label") -> tuple[PromptRow, ...]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise DataError(f"--prompt_data={path}: {e.strerror or e}") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+        if input_key not in row:
+            raise DataError(f"{path}:{n}: no {input_key!r} field (--input_key); fields: {sorted(row)}")
+        prompt = row[input_key]
+        if not _is_prompt(prompt):
+            raise DataError(f"{path}:{n}: {input_key!r} must be a non-empty string or a list of "
+                            "{'role', 'content'} messages")
+        if label_key and label_key not in row:
+            raise DataError(f"{path}:{n}: no {label_key!r} field (--label_key); fields: {sorted(row)}")
+        rows.append(PromptRow(prompt, row.get(label_key) if label_key else None, n))
+    if not rows:
+        raise DataError(f"--prompt_data={path}: no rows")
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_jsonl(path: str, input_key: str, label_key: str) -> tuple[PromptRow, ...]:
+    return load_jsonl(path, input_key, label_key)
+
+
+def _is_prompt(p: Any) -> bool:
+    if isinstance(p, str):
+        return bool(p)
+    return isinstance(p, list) and bool(p) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p)
+
+
+def epoch_order(key: prng.Key, epoch: int, n: int) -> list[int]:
+    return prng.permutation(prng.fold_in(key, epoch), n).tolist()
+
+
+def rows_at(rows: tuple[PromptRow, ...], key: prng.Key, start: int, count: int) -> list[PromptRow]:
+    """Samples start .. start+count-1 of the run's stream over the dataset (epochs chained)."""
+    n, out, cache = len(rows), [], {}
+    for i in range(start, start + count):
+        epoch = i // n
+        if epoch not in cache:
+            cache[epoch] = epoch_order(key, epoch, n)
+        out.append(rows[cache[epoch][i % n]])
+    return out
+
+
+def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
+    """Prompt ids: the tokenizer's chat template when it has one, else BOS + encoded text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template and hasattr(tokenizer, "apply_chat_template"):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    if not isinstance(prompt, str):
+        raise DataError("chat-message prompts need a tokenizer with a chat template")
+    if hasattr(tokenizer, "bos_id"):  # the built-in character tokenizer
+        return [tokenizer.bos_id] + tokenizer.encode(prompt)
+    return list(tokenizer.encode(prompt))  # a Hugging Face tokenizer adds its own special tokens

@@ -1,0 +1,107 @@
+"""The one interface the loop sees for a rollout engine, whatever runs it (this process, a server, SGLang).
+
+Token in, token out: a request is prompt ids, a sample is the response ids exactly as the engine
+produced them, their log-probs, why generation stopped, and the weight version that produced them.
+
+Per-request randomness: request `rid` of a batch drawn with key K samples from the key
+fold_in(K, rid). That key travels as one 64-bit integer (`sampling_seed`, words k0, k1 ->
+k0 * 2**32 + k1, inverted exactly by prng.key), so the same request gives the same tokens in
+whichever process or batch runs it. Float results still depend on which requests share a forward
+pass (CPU kernels are not batch invariant), so every engine cuts a request list into the same
+consecutive chunks of `batch_size` and runs each chunk as one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from miles_fn import prng
+from miles_fn.sampling import SamplingConfig
+
+T = TypeVar("T")
+
+
+class EngineError(Exception):
+    """The engine cannot produce a complete batch (server gone, bad reply): the run stops, naming why."""
+
+
+class Request(NamedTuple):
+    rid: int  # unique within the batch; names the key stream
+    input_ids: list[int]  # prompt tokens
+    seed: int  # the request's key as a 64-bit integer (see request_seed)
+
+
+class Sample(NamedTuple):
+    tokens: list[int]  # response ids, the stop token included when one was hit
+    logprobs: list[float]  # one per response token
+    finish_reason: str  # "stop" or "length"
+    weight_version: int  # the weights that produced every token of it
+
+
+class Batch(NamedTuple):
+    """A batch of samples in request order, as columns (what the loop consumes)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    weight_versions: list[int]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the loop needs from a rollout engine. `generate` returns every sample or raises
+    EngineError: a partial batch is never returned."""
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]: ...
+
+    def update_weights(self, version: int, params: object) -> None: ...
+
+    def health(self) -> bool: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def request_seed(key: prng.Key, rid: int) -> int:
+    """The 64-bit seed of request `rid` under batch key `key`: the words of fold_in(key, rid)."""
+    k0, k1 = prng.to_list(prng.fold_in(key, rid))
+    return (k0 << 32) | k1
+
+
+def seed_keys(seeds: Sequence[int]) -> torch.Tensor:
+    """Per-request keys [B, 2] from 64-bit seeds (the inverse of request_seed)."""
+    return torch.stack([prng.key(s) for s in seeds]) if seeds else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def make_requests(prompts: Sequence[Sequence[int]], key: prng.Key, request_ids: Sequence[int] | None = None
+                  ) -> list[Request]:
+    ids = list(request_ids) if request_ids is not None else list(range(len(prompts)))
+    return [Request(rid, list(p), request_seed(key, rid)) for rid, p in zip(ids, prompts, strict=True)]
+
+
+def chunked(items: Sequence[T], size: int) -> list[list[T]]:
+    """Consecutive chunks of `size` (0 = one chunk): the batches every engine runs."""
+    if size <= 0 or size >= len(items):
+        return [list(items)] if items else []
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], key: prng.Key, sampling: SamplingConfig
+                   ) -> Batch:
+    """Prompts in, a complete Batch out (request i is prompts[i], keyed by fold_in(key, i))."""
+    samples = engine.generate(make_requests(prompts, key), sampling)
+    if len(samples) != len(prompts):
+        raise EngineError(f"engine returned {len(samples)} samples for {len(prompts)} requests")
+    return Batch([s.tokens for s in samples], [s.logprobs for s in samples], [s.finish_reason for s in samples],
+                 [s.weight_version for s in samples])

@@ -1,0 +1,251 @@
+"""A rollout engine behind HTTP (launch.rollout_server or SGLang), with versions and recovery.
+
+A batch is cut into the same chunks the embedded engine runs; each chunk is one /generate call,
+several in flight. If the server stops answering, the engine recovers it (restarts it when this
+run started it, else waits for it), gives it the current weights again and re-issues exactly
+the chunks that had no reply, so the run resumes in place. Recovery is bounded (back-off
+doubling from backoff_s); past it, EngineError says which server, how often, and the last error.
+generate returns every sample, each checked to come from the current weight version, or raises:
+the loop never sees a partial batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from launch.engines.base import EngineError, Request, Sample, chunked
+from launch.engines.sglang_client import ServerDown, SGLangClient
+from miles_fn.config import ModelConfig
+from miles_fn.sampling import SamplingConfig
+from state import hf
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPolicy:
+    max_restarts: int = 3  # recoveries per generate call before giving up
+    backoff_s: float = 0.5  # first wait; doubles per attempt, capped at 30 s
+    start_timeout_s: float = 120.0  # how long a started server may take to answer /health
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server this run started: `command(port, first)` builds its argv; output goes to log_path."""
+
+    def __init__(self, command: Callable[[int, bool], list[str]], log_path: str, start_timeout_s: float,
+                 host: str = "127.0.0.1", cwd: str | None = None):
+        self.command, self.log_path, self.start_timeout_s, self.host = command, log_path, start_timeout_s, host
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        atexit.register(self.stop)
+
+    def start(self) -> str:
+        """Start (or restart) the server and wait until it answers /health; its URL, or ServerDown."""
+        self.stop()
+        port = free_port(self.host)
+        argv = self.command(port, self.starts == 0)
+        self.starts += 1
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {self.starts}: {' '.join(argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=self.cwd)
+        url = f"http://{self.host}:{port}"
+        probe = SGLangClient(url, timeout_s=2.0, max_inflight=1)
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                code = self.proc.poll()
+                if code is not None:
+                    raise ServerDown(f"the server exited with code {code} while starting (log: {self.log_path})")
+                if probe.health(timeout_s=2.0):
+                    return url
+                time.sleep(0.1)
+        finally:
+            probe.close()
+        self.stop()
+        raise ServerDown(f"the server did not answer /health within {self.start_timeout_s:.0f} s "
+                         f"(log: {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
+    """The weights under their Hugging Face names (what SGLang-style weight updates carry)."""
+    out = {}
+    for name, where in hf.hf_names(cfg).items():
+        node = params
+        for w in where:
+            node = node[w]
+        out[name] = node.detach()
+    return out
+
+
+class RemoteEngine:
+    """The engine interface over an SGLang-compatible server.
+
+    `sync(client, version, params)` pushes weights to the server (by tensor, disk or NCCL).
+    With `process`, this engine owns the server: it starts it now and restarts it on failure.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Any, version: int, *, url: str = "",
+                 process: ServerProcess | None = None, sync: Callable[[SGLangClient, int, Any], None],
+                 batch_size: int = 0, timeout_s: float = 60.0, max_inflight: int = 8,
+                 recovery: RecoveryPolicy = RecoveryPolicy(), seed_mask: int | None = None):
+        if not url and process is None:
+            raise ValueError("RemoteEngine needs a server URL or a server process to start")
+        self.cfg, self.params, self._version = cfg, params, version
+        self.process, self.sync, self.batch_size = process, sync, batch_size
+        self.timeout_s, self.max_inflight, self.recovery, self.seed_mask = timeout_s, max_inflight, recovery, seed_mask
+        self.recoveries = 0
+        self.client = self._client(url) if url else self._start_owned()
+        if url:
+            try:
+                self.sync(self.client, version, params)
+            except ServerDown as e:
+                raise EngineError(f"rollout server {url} does not answer: {e}") from None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _client(self, url: str) -> SGLangClient:
+        return SGLangClient(url, self.timeout_s, self.max_inflight, self.seed_mask)
+
+    def _start_owned(self) -> SGLangClient:
+        assert self.process is not None
+        try:
+            return self._client(self.process.start())
+        except ServerDown as e:
+            raise EngineError(f"the rollout server did not start: {e}") from None
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
+        chunks = chunked(requests, self.batch_size)
+        results: list[list[Sample] | None] = [None] * len(chunks)
+        recoveries = 0
+        while True:
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                break
+            outs = self.client.generate_chunks([chunks[i] for i in todo], sampling)
+            down: ServerDown | None = None
+            for i, out in zip(todo, outs, strict=True):
+                if isinstance(out, ServerDown):
+                    down = out
+                elif isinstance(out, EngineError):
+                    raise out
+                elif isinstance(out, BaseException):
+                    raise EngineError(f"rollout request to {self.client.url} failed: {type(out).__name__}: {out}")
+                else:
+                    results[i] = out
+            if down is not None:
+                recoveries += 1
+                if recoveries > self.recovery.max_restarts:
+                    raise EngineError(f"rollout server {self.client.url} failed the same batch "
+                                      f"{recoveries} times; giving up (last error: {down}){self._log_hint()}")
+                self._recover(down)
+        samples = [s for chunk in results for s in chunk]  # type: ignore[union-attr]
+        stale = [s.weight_version for s in samples if s.weight_version != self._version]
+        if stale:
+            raise EngineError(f"rollout server {self.client.url} produced samples with weight version {stale[0]}, "
+                              f"expected {self._version}: its weights are not the trainer's")
+        return samples
+
+    def _recover(self, cause: ServerDown) -> None:
+        """Bring the server back with the current weights, or raise EngineError after bounded tries."""
+        last: Exception = cause
+        for attempt in range(self.recovery.max_restarts):
+            time.sleep(min(self.recovery.backoff_s * 2**attempt, 30.0))
+            try:
+                if self.process is not None:
+                    old = self.client
+                    self.client = self._client(self.process.start())
+                    old.close()
+                elif not self.client.health():
+                    raise ServerDown(f"{self.client.url} does not answer /health")
+                self.sync(self.client, self._version, self.params)
+                self.recoveries += 1
+                print(f"rollout: server down ({cause}); recovered at {self.client.url} with weight version "
+                      f"{self._version}, re-issuing its unanswered requests", file=sys.stderr, flush=True)
+                return
+            except ServerDown as e:
+                last = e
+        raise EngineError(f"rollout server {self.client.url} did not come back after {self.recovery.max_restarts} "
+                          f"attempts with back-off (first error: {cause}; last: {last}){self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f"; server log: {self.process.log_path}" if self.process is not None else ""
+
+    # --- weights and control -----------------------------------------------------------------
+    def update_weights(self, version: int, params: Any) -> None:
+        self.params, self._version = params, version
+        try:
+            self.sync(self.client, version, params)
+        except ServerDown as e:
+            self._recover(e)  # a restarted server is given these weights
+
+    def health(self) -> bool:
+        return self.client.health()
+
+    def pause(self) -> None:
+        self.client.pause_generation()
+
+    def resume(self) -> None:
+        self.client.continue_generation()
+
+    def flush_cache(self) -> None:
+        self.client.flush_cache()
+
+    def close(self) -> None:
+        self.client.close()
+        if self.process is not None:
+            self.process.stop()
+
+
+def tensor_sync(cfg: ModelConfig) -> Callable[[SGLangClient, int, Any], None]:
+    def sync(client: SGLangClient, version: int, params: Any) -> None:
+        client.update_weights_from_tensor(hf_named_tensors(cfg, params), version)
+
+    return sync
+
+
+def disk_sync(cfg: ModelConfig, root: str) -> Callable[[SGLangClient, int, Any], None]:
+    """Write the weights as a Hugging Face checkpoint under root/v<version>, then point the server at it."""
+
+    def sync(client: SGLangClient, version: int, params: Any) -> None:
+        name = f"v{version:08d}"
+        path = os.path.abspath(os.path.join(root, name))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            hf.save_hf(path, cfg, params)
+        client.update_weights_from_disk(path, version)
+        for old in os.listdir(root):  # the server holds these weights now: older versions can go
+            if old.startswith("v") and old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+    return sync
