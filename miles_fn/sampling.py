@@ -54,11 +54,22 @@ def sample(logits: torch.Tensor, keys: prng.Key, cfg: SamplingConfig) -> tuple[t
     Returns (tokens [B], log-probs [B] under softmax(logits / logprob_temperature),
     before top-k/top-p truncation: the distribution the trainer recomputes).
     """
+    noise = None if cfg.temperature == 0 else prng.gumbel(keys, (logits.shape[-1],))
+    return sample_with_noise(logits, noise, cfg)
+
+
+def sample_with_noise(
+    logits: torch.Tensor, noise: torch.Tensor | None, cfg: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with its Gumbel noise [B, V] drawn beforehand (None when greedy).
+
+    The engine draws the noise of many steps in one vectorised call: the same values
+    as per-step draws, since Threefry is a function of (key, counter) alone.
+    """
     scaled = logits.to(torch.float32) / cfg.logprob_temperature
     logp = torch.log_softmax(scaled, dim=-1)
     if cfg.temperature == 0:
         tokens = torch.argmax(scaled, dim=-1)
     else:
-        filtered = filter_logits(scaled, cfg.top_k, cfg.top_p)
-        tokens = torch.argmax(filtered + prng.gumbel(keys, (logits.shape[-1],)), dim=-1)
+        tokens = torch.argmax(filter_logits(scaled, cfg.top_k, cfg.top_p) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
