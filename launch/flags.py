@@ -11,6 +11,7 @@ import dataclasses
 from absl import flags
 
 from launch.engines.config import RolloutConfig
+from launch.profiling import parse_profile_steps
 from miles_fn.config import ModelConfig
 from miles_fn.memory import MemoryConfig
 from miles_fn.optim import OptimConfig
@@ -97,6 +98,20 @@ flags.register_multi_flags_validator(
     or v["pack_row_len"] <= v["max_tokens_per_micro_batch"],
     "--pack_row_len must not exceed --max_tokens_per_micro_batch",
 )
+# Profiling
+flags.DEFINE_string("profile_steps", "", "A:B writes torch.profiler Chrome traces of RL steps A..B (inclusive, "
+                    "numbered as in metrics.jsonl) under output_dir/profile/; empty = off.")
+
+
+def _profile_steps_ok(text: str) -> bool:
+    try:
+        parse_profile_steps(text)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("profile_steps", _profile_steps_ok, "--profile_steps must be A:B with 1 <= A <= B, e.g. 3:5")
 
 
 # Rollout engine (launch/engines/)
@@ -180,6 +195,7 @@ class RunConfig:
     loss: PolicyLossConfig
     memory: MemoryConfig = MemoryConfig()
     rollout: RolloutConfig = RolloutConfig()
+    profile_steps: tuple[int, int] | None = None
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -255,6 +271,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             max_oom_splits=f.max_oom_splits,
         ),
         rollout=rollout_config_from_flags(),
+        profile_steps=parse_profile_steps(f.profile_steps),
     )
 
 

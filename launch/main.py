@@ -19,6 +19,7 @@ from absl import app, flags
 
 from launch import flags as run_flags
 from launch import memory as launch_memory
+from launch import profiling
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
@@ -108,19 +109,24 @@ def sft_warmup(job: Job) -> float:
     return loss
 
 
-def rollout(job: Job, key: prng.Key, ref_params: Any) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
+def rollout(
+    job: Job, key: prng.Key, ref_params: Any, timer: profiling.PhaseTimer | None = None
+) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
     cfg, g = job.cfg, job.cfg.group_size
+    timer = timer or profiling.PhaseTimer()
     rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
     if cfg.rollout.load_rollouts:
         return load_rollout(cfg.rollout.load_rollouts, rl_step)
-    col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
-                  prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
-                  cfg.prompts_per_step, g)
-    prompts, gen, rewards = col.prompts, col.batch, col.rewards
-    buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
-                               cfg.normalize_advantage_std, col.loss_masks)
+    with timer("rollout"):  # generation; collect also scores the responses
+        col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
+                      prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
+                      cfg.prompts_per_step, g)
+    with timer("reward"):
+        prompts, gen, rewards = col.prompts, col.batch, col.rewards
+        buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
+                                   cfg.normalize_advantage_std, col.loss_masks)
     if ref_params is not None:
-        with torch.no_grad():
+        with torch.no_grad(), timer("logprob_recompute"):
             ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
                                           cfg.loss.temperature)
         buf = buf._replace(ref_logprobs=ref)
@@ -145,6 +151,9 @@ def save_checkpoint(job: Job) -> None:
 
 
 def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
+    if cfg.profile_steps is not None and cfg.profile_steps[1] > cfg.num_steps:
+        a, b = cfg.profile_steps
+        raise UserError(f"--profile_steps={a}:{b} goes past the run's last RL step (--num_steps={cfg.num_steps})")
     setup_torch(cfg)
     job = build(cfg)
     cfg = job.cfg
@@ -158,18 +167,22 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
     loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss)
     bar = _progress(cfg)
+    profiler = profiling.StepProfiler(cfg.profile_steps, cfg.output_dir)
     t_rl = time.time()
     for step in range(cfg.num_steps):
-        t_step = time.time()
+        timer = profiling.PhaseTimer()
+        profiler.begin(step + 1)
         key = prng.fold_in(job.state.key, step)
         with launch_memory.offloaded(job, cfg.memory.offload_train_state):
-            buf, stats = rollout(job, key, ref_params)
-        t_roll = time.time()
-        job.state, metrics = launch_memory.train_update(cfg.memory, cfg.model, job.state, buf,
-                                                        prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
-        job.engine.update_weights(int(job.state.step), job.state.params)
+            buf, stats = rollout(job, key, ref_params, timer)
+        with timer("train"):
+            job.state, metrics = launch_memory.train_update(cfg.memory, cfg.model, job.state, buf,
+                                                            prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
+        with timer("weight_sync"):
+            job.engine.update_weights(int(job.state.step), job.state.params)
+        profiler.end(step + 1)
         metrics = to_floats({**stats, **metrics})
-        metrics.update(time_rollout=t_roll - t_step, time_train=time.time() - t_roll)
+        metrics.update(timer.metrics())
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
             metrics["eval_success"] = last_eval = evaluate(job)
             if cfg.rollout.eval_pass_k:
