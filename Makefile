@@ -24,7 +24,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-bench: $(STAMP)
+# The bench extra (TRL, the baseline of bench/rl_step.py) goes into the same venv, with torch pinned by
+# constraints.txt so that TRL's dependencies cannot swap the CPU build of torch for a CUDA one.
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP) constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) -m bench.run_all
 
 clean:

@@ -1,0 +1,186 @@
+"""The RL step: miles-fn against TRL's GRPOTrainer on the same model, task and settings.
+
+Both start from the same weights: a tiny Qwen2 (the default job's shape) after a short supervised
+warm-up with miles-fn, so that rewards are neither all 0 nor all 1. Then each trains for the same
+wall time on two-digit addition (reward 1 for the exact answer), with the same group size, prompts
+per step, completion cap, sampling (temperature 1), loss (PPO-clip 0.2, token-mean, no KL),
+advantages (group mean/std), optimizer (AdamW, constant lr, clip 1.0), float32, and threads.
+Reported: seconds per step, samples/s, the mean reward of the last steps inside the time budget,
+and the held-out greedy success of both final models, scored by the same evaluator.
+
+TRL runs in a subprocess of an interpreter that has trl: this one when trl imports here, else
+--trl_python (or $MILES_BENCH_TRL_PYTHON); without one the TRL column is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAST = 5  # steps averaged for "reward reached"
+
+
+def trl_python(flag: str) -> str | None:
+    if flag:
+        return flag
+    if os.environ.get("MILES_BENCH_TRL_PYTHON"):
+        return os.environ["MILES_BENCH_TRL_PYTHON"]
+    return sys.executable if importlib.util.find_spec("trl") is not None else None
+
+
+def miles_job(start: str, out_dir: str, args: Any):
+    """A launch.main Job from the default job's flagfile, starting at `start`."""
+    from absl import flags
+
+    from launch import flags as run_flags
+    from launch import main as launch_main
+    from miles_fn.tasks.addition import AdditionTask
+
+    flags.FLAGS([
+        "rl_step", f"--flagfile={os.path.join(ROOT, 'launch/flags/cpu_tiny.flags')}", f"--hf_checkpoint={start}",
+        f"--num_threads={args.threads}", "--sft_warmup_steps=0", f"--prompts_per_step={args.prompts_per_step}",
+        f"--group_size={args.group_size}", f"--lr={args.lr}", f"--eval_size={args.eval_size}", "--noprogress",
+        "--notensorboard", f"--output_dir={out_dir}", "--kl_coef=0", "--eps_clip=0.2", "--max_grad_norm=1.0",
+    ])
+    task = AdditionTask(digits=flags.FLAGS.task_digits)
+    cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
+    launch_main.setup_torch(cfg)
+    return launch_main.build(cfg)
+
+
+def sft_start(init: str, start: str, args: Any) -> float:
+    """Supervised warm-up with miles-fn from `init`; writes `start` and returns its held-out success."""
+    from launch import main as launch_main
+    from state import hf
+
+    job = miles_job(init, os.path.join(start, "_run"), args)
+    job.cfg = __import__("dataclasses").replace(job.cfg, sft_warmup_steps=args.sft_steps)
+    launch_main.sft_warmup(job)
+    hf.save_hf(start, job.cfg.model, job.state.params)
+    return launch_main.evaluate(job)
+
+
+def run_miles(start: str, out_dir: str, args: Any) -> tuple[list[dict[str, float]], float]:
+    import time
+
+    from launch import main as launch_main
+    from miles_fn import prng, train
+
+    job = miles_job(start, out_dir, args)
+    cfg = job.cfg
+    loss_fn = train.make_grpo_loss(cfg.model, cfg.loss)
+    steps: list[dict[str, float]] = []
+    t0 = last = time.perf_counter()
+    step = 0
+    while (step == 0 or last - t0 < args.seconds) and step < args.max_steps:
+        key = prng.fold_in(job.state.key, step)
+        buf, stats = launch_main.rollout(job, key, None)
+        job.state, _ = train.train_step(job.state, buf, prng.fold_in(key, launch_main.K_TRAIN), loss_fn, cfg.optim)
+        job.engine.update_weights(int(job.state.step), job.state.params)
+        now = time.perf_counter()
+        step += 1
+        steps.append({"step": step, "seconds": now - last, "elapsed": now - t0,
+                      "reward_mean": float(stats["reward_mean"])})
+        last = now
+    return steps, launch_main.evaluate(job)
+
+
+def run_trl(python: str, start: str, tmp: str, args: Any) -> tuple[list[dict[str, float]], float, str]:
+    from launch import main as launch_main
+    from state import hf
+
+    out, model_dir, log = (os.path.join(tmp, n) for n in ("trl.json", "trl_model", "trl.log"))
+    cmd = [python, "-m", "bench.trl_grpo", f"--model={start}", f"--seconds={args.seconds}",
+           f"--max_steps={args.max_steps}", f"--prompts_per_step={args.prompts_per_step}",
+           f"--group_size={args.group_size}", f"--lr={args.lr}", f"--threads={args.threads}",
+           f"--save_model={model_dir}", f"--out={out}"]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"the TRL side failed ({' '.join(cmd)}), exit {p.returncode}:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    job = miles_job(start, os.path.join(tmp, "trl_eval"), args)
+    _, params = hf.load_hf(model_dir)
+    job.engine.update_weights(0, params)
+    return result["steps"], launch_main.evaluate(job), result["trl"]
+
+
+def summarise(steps: list[dict[str, float]], samples_per_step: int, seconds: float) -> dict[str, Any]:
+    per_step = common.median([s["seconds"] for s in steps])
+    inside = [s for s in steps if s["elapsed"] <= seconds] or steps[:1]
+    rewards = [s["reward_mean"] for s in inside if "reward_mean" in s][-LAST:]
+    return {"steps": len(steps), "seconds_per_step": per_step, "samples_per_s": samples_per_step / per_step,
+            "reward_at_budget": sum(rewards) / max(len(rewards), 1), "per_step": steps}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = common.parse_args("rl_step", __doc__.splitlines()[0], argv, lambda p: (
+        p.add_argument("--seconds", type=float, default=60.0, help="training wall time of each contender"),
+        p.add_argument("--max_steps", type=int, default=100000),
+        p.add_argument("--sft_steps", type=int, default=300, help="supervised warm-up that makes the start"),
+        p.add_argument("--prompts_per_step", type=int, default=32),
+        p.add_argument("--group_size", type=int, default=8),
+        p.add_argument("--lr", type=float, default=3e-4),
+        p.add_argument("--eval_size", type=int, default=256),
+        p.add_argument("--trl_python", default="", help="an interpreter with trl installed"),
+        p.add_argument("--no_trl", action="store_true", help="measure miles-fn only"),
+    ))
+    if args.quick:
+        args.seconds, args.max_steps, args.sft_steps, args.prompts_per_step, args.group_size, args.eval_size = (
+            0.0, 2, 2, 2, 2, 8)
+    torch.set_num_threads(args.threads)
+    from miles_fn.tasks.addition import AdditionTask
+
+    task = AdditionTask()
+    python = None if args.no_trl else trl_python(args.trl_python)
+    n = args.prompts_per_step * args.group_size
+    with tempfile.TemporaryDirectory() as tmp:
+        init = common.save_tiny_qwen2(os.path.join(tmp, "init"), task.tokenizer.vocab_size, max_positions=64)
+        start = os.path.join(tmp, "start")
+        start_success = sft_start(init, start, args)
+        ours_steps, ours_eval = run_miles(start, os.path.join(tmp, "ours"), args)
+        ours = {**summarise(ours_steps, n, args.seconds), "eval_success": ours_eval}
+        theirs, trl_version = None, None
+        if python is not None:
+            trl_steps, trl_eval, trl_version = run_trl(python, start, tmp, args)
+            theirs = {**summarise(trl_steps, n, args.seconds), "eval_success": trl_eval}
+    rows = [["miles-fn", ours["seconds_per_step"], ours["samples_per_s"], ours["steps"], ours["reward_at_budget"],
+             ours["eval_success"]]]
+    ratio = None
+    if theirs is not None:
+        ratio = theirs["seconds_per_step"] / ours["seconds_per_step"]
+        rows.append([f"TRL {trl_version} GRPOTrainer", theirs["seconds_per_step"], theirs["samples_per_s"],
+                     theirs["steps"], theirs["reward_at_budget"], theirs["eval_success"]])
+        speedup = ours["samples_per_s"] / theirs["samples_per_s"]
+        rows.append(["ratio (miles-fn / TRL)", f"{ratio:.2f}x faster", f"{speedup:.2f}x", "", "", ""])
+    table = common.print_table(
+        f"RL step: GRPO on 2-digit addition, {args.prompts_per_step} prompts x {args.group_size} samples, "
+        f"{args.seconds:.0f} s each from the same start (held-out success {start_success:.3f}), "
+        f"{args.threads} thread(s)",
+        ["trainer", "s/step (median)", "samples/s", "steps in budget", f"reward (last {LAST} steps)",
+         "held-out success at end"], rows)
+    out = {"benchmark": "rl_step", "machine": common.machine_info(args.threads), "quick": args.quick,
+           "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "start_eval_success": start_success,
+           "miles_fn": ours, "trl": theirs, "trl_version": trl_version, "step_ratio": ratio,
+           "trl_skipped": theirs is None, "table": table}
+    common.write_json(args.out, out)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
