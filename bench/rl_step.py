@@ -153,12 +153,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         init = common.save_tiny_qwen2(os.path.join(tmp, "init"), task.tokenizer.vocab_size, max_positions=64)
         start = os.path.join(tmp, "start")
         start_success = sft_start(init, start, args)
+        load = os.getloadavg()[0]
         ours_steps, ours_eval = run_miles(start, os.path.join(tmp, "ours"), args)
-        ours = {**summarise(ours_steps, n, args.seconds), "eval_success": ours_eval}
+        ours = {**summarise(ours_steps, n, args.seconds), "eval_success": ours_eval,
+                "load_avg_1min_before_after": [load, os.getloadavg()[0]]}
         theirs, trl_version = None, None
         if python is not None:
+            load = os.getloadavg()[0]
             trl_steps, trl_eval, trl_version = run_trl(python, start, tmp, args)
-            theirs = {**summarise(trl_steps, n, args.seconds), "eval_success": trl_eval}
+            theirs = {**summarise(trl_steps, n, args.seconds), "eval_success": trl_eval,
+                      "load_avg_1min_before_after": [load, os.getloadavg()[0]]}
     rows = [["miles-fn", ours["seconds_per_step"], ours["samples_per_s"], ours["steps"], ours["reward_at_budget"],
              ours["eval_success"]]]
     ratio = None
