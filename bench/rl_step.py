@@ -47,11 +47,12 @@ def miles_job(start: str, out_dir: str, args: Any):
     from launch import main as launch_main
     from miles_fn.tasks.addition import AdditionTask
 
+    overrides = [f"--{k}={getattr(args, k)}" for k in ("prompts_per_step", "group_size", "lr")
+                 if getattr(args, k) is not None]
     flags.FLAGS([
         "rl_step", f"--flagfile={os.path.join(ROOT, 'launch/flags/cpu_tiny.flags')}", f"--hf_checkpoint={start}",
-        f"--num_threads={args.threads}", "--sft_warmup_steps=0", f"--prompts_per_step={args.prompts_per_step}",
-        f"--group_size={args.group_size}", f"--lr={args.lr}", f"--eval_size={args.eval_size}", "--noprogress",
-        "--notensorboard", f"--output_dir={out_dir}", "--kl_coef=0", "--eps_clip=0.2", "--max_grad_norm=1.0",
+        f"--num_threads={args.threads}", "--sft_warmup_steps=0", f"--eval_size={args.eval_size}", "--noprogress",
+        "--notensorboard", f"--output_dir={out_dir}", "--kl_coef=0", *overrides,
     ])
     task = AdditionTask(digits=flags.FLAGS.task_digits)
     cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
@@ -71,7 +72,18 @@ def sft_start(init: str, start: str, args: Any) -> float:
     return launch_main.evaluate(job)
 
 
-def run_miles(start: str, out_dir: str, args: Any) -> tuple[list[dict[str, float]], float]:
+def shared_settings(job: Any) -> dict[str, Any]:
+    """What TRL is given so that it does the same work as the miles-fn job."""
+    cfg, task = job.cfg, job.task
+    if cfg.loss.eps_clip_high is not None or cfg.loss.loss_agg != "token_mean" or cfg.sampling.temperature != 1.0:
+        raise ValueError("bench.rl_step compares PPO-clip, token-mean, temperature-1 jobs only")
+    return {"prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size, "lr": cfg.optim.lr,
+            "eps_clip": cfg.loss.eps_clip, "max_grad_norm": cfg.optim.max_grad_norm,
+            "max_new_tokens": cfg.sampling.max_new_tokens, "task_digits": task.digits,
+            "fixed_width": int(task.fixed_width), "reverse_answer": int(task.reverse_answer)}
+
+
+def run_miles(start: str, out_dir: str, args: Any) -> tuple[list[dict[str, float]], float, dict[str, Any]]:
     import time
 
     from launch import main as launch_main
@@ -93,18 +105,18 @@ def run_miles(start: str, out_dir: str, args: Any) -> tuple[list[dict[str, float
         steps.append({"step": step, "seconds": now - last, "elapsed": now - t0,
                       "reward_mean": float(stats["reward_mean"])})
         last = now
-    return steps, launch_main.evaluate(job)
+    return steps, launch_main.evaluate(job), shared_settings(job)
 
 
-def run_trl(python: str, start: str, tmp: str, args: Any) -> tuple[list[dict[str, float]], float, str]:
+def run_trl(python: str, start: str, tmp: str, args: Any, settings: dict[str, Any]
+            ) -> tuple[list[dict[str, float]], float, str]:
     from launch import main as launch_main
     from state import hf
 
     out, model_dir, log = (os.path.join(tmp, n) for n in ("trl.json", "trl_model", "trl.log"))
     cmd = [python, "-m", "bench.trl_grpo", f"--model={start}", f"--seconds={args.seconds}",
-           f"--max_steps={args.max_steps}", f"--prompts_per_step={args.prompts_per_step}",
-           f"--group_size={args.group_size}", f"--lr={args.lr}", f"--threads={args.threads}",
-           f"--save_model={model_dir}", f"--out={out}"]
+           f"--max_steps={args.max_steps}", f"--threads={args.threads}", f"--save_model={model_dir}", f"--out={out}",
+           *(f"--{k}={v}" for k, v in settings.items())]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as f:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -133,9 +145,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.add_argument("--seconds", type=float, default=60.0, help="training wall time of each contender"),
         p.add_argument("--max_steps", type=int, default=100000),
         p.add_argument("--sft_steps", type=int, default=300, help="supervised warm-up that makes the start"),
-        p.add_argument("--prompts_per_step", type=int, default=32),
-        p.add_argument("--group_size", type=int, default=8),
-        p.add_argument("--lr", type=float, default=3e-4),
+        p.add_argument("--prompts_per_step", type=int, default=None, help="default: the default job's"),
+        p.add_argument("--group_size", type=int, default=None, help="default: the default job's"),
+        p.add_argument("--lr", type=float, default=None, help="default: the default job's"),
         p.add_argument("--eval_size", type=int, default=256),
         p.add_argument("--trl_python", default="", help="an interpreter with trl installed"),
         p.add_argument("--no_trl", action="store_true", help="measure miles-fn only"),
@@ -148,19 +160,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     task = AdditionTask()
     python = None if args.no_trl else trl_python(args.trl_python)
-    n = args.prompts_per_step * args.group_size
     with tempfile.TemporaryDirectory() as tmp:
         init = common.save_tiny_qwen2(os.path.join(tmp, "init"), task.tokenizer.vocab_size, max_positions=64)
         start = os.path.join(tmp, "start")
         start_success = sft_start(init, start, args)
         load = os.getloadavg()[0]
-        ours_steps, ours_eval = run_miles(start, os.path.join(tmp, "ours"), args)
+        ours_steps, ours_eval, settings = run_miles(start, os.path.join(tmp, "ours"), args)
+        n = settings["prompts_per_step"] * settings["group_size"]
         ours = {**summarise(ours_steps, n, args.seconds), "eval_success": ours_eval,
                 "load_avg_1min_before_after": [load, os.getloadavg()[0]]}
         theirs, trl_version = None, None
         if python is not None:
             load = os.getloadavg()[0]
-            trl_steps, trl_eval, trl_version = run_trl(python, start, tmp, args)
+            trl_steps, trl_eval, trl_version = run_trl(python, start, tmp, args, settings)
             theirs = {**summarise(trl_steps, n, args.seconds), "eval_success": trl_eval,
                       "load_avg_1min_before_after": [load, os.getloadavg()[0]]}
     rows = [["miles-fn", ours["seconds_per_step"], ours["samples_per_s"], ours["steps"], ours["reward_at_budget"],
@@ -173,13 +185,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         speedup = ours["samples_per_s"] / theirs["samples_per_s"]
         rows.append(["ratio (miles-fn / TRL)", f"{ratio:.2f}x faster", f"{speedup:.2f}x", "", "", ""])
     table = common.print_table(
-        f"RL step: GRPO on 2-digit addition, {args.prompts_per_step} prompts x {args.group_size} samples, "
+        f"RL step: GRPO on {settings['task_digits']}-digit addition, {settings['prompts_per_step']} prompts x "
+        f"{settings['group_size']} samples, lr {settings['lr']:g}, "
         f"{args.seconds:.0f} s each from the same start (held-out success {start_success:.3f}), "
         f"{args.threads} thread(s)",
         ["trainer", "s/step (median)", "samples/s", "steps in budget", f"reward (last {LAST} steps)",
          "held-out success at end"], rows)
     out = {"benchmark": "rl_step", "machine": common.machine_info(args.threads), "quick": args.quick,
-           "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "start_eval_success": start_success,
+           "args": {k: v for k, v in vars(args).items() if k not in ("out",)}, "settings": settings,
+           "start_eval_success": start_success,
            "miles_fn": ours, "trl": theirs, "trl_version": trl_version, "step_ratio": ratio,
            "trl_skipped": theirs is None, "table": table}
     common.write_json(args.out, out)

@@ -34,15 +34,19 @@ def char_tokenizer(task: AdditionTask):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
                                    padding_side="left")
-    probe = task.prompt_ids(17, 25)
-    got = fast(text=[prompt_text(task, 17, 25)])["input_ids"][0]
+    probe = task.prompt_ids(7, 25)
+    got = fast(text=[prompt_text(task, 7, 25)])["input_ids"][0]
     if got != probe:
         raise RuntimeError(f"the character tokenizer for TRL disagrees with CharTokenizer: {got} != {probe}")
     return fast
 
 
 def prompt_text(task: AdditionTask, a: int, b: int) -> str:
-    return BOS + f"{a}+{b}="
+    """The task's prompt as text: <bos> and the characters after it."""
+    ids = task.prompt_ids(a, b)
+    if ids[0] != task.tokenizer.bos_id or task.tokenizer.bos_id in ids[1:]:
+        raise ValueError(f"expected one leading <bos> in the task's prompt, got {ids}")
+    return BOS + task.tokenizer.decode(ids[1:])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -56,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eps_clip", type=float, default=0.2)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--task_digits", type=int, default=2)
+    p.add_argument("--fixed_width", type=int, default=0)
+    p.add_argument("--reverse_answer", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save_model", default="", help="write the trained model here")
@@ -70,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    task = AdditionTask()
+    task = AdditionTask(digits=args.task_digits, fixed_width=bool(args.fixed_width),
+                        reverse_answer=bool(args.reverse_answer))
     pairs = task.sample_pairs(prng.key(args.seed), 20000)
     data = datasets.Dataset.from_dict({"prompt": [prompt_text(task, a, b) for a, b in pairs],
                                        "a": [a for a, _ in pairs], "b": [b for _, b in pairs]})
