@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rows.append([f"TRL {trl_version} GRPOTrainer", theirs["seconds_per_step"], theirs["samples_per_s"],
                      theirs["steps"], theirs["reward_at_budget"], theirs["eval_success"]])
         speedup = ours["samples_per_s"] / theirs["samples_per_s"]
-        rows.append(["ratio (miles-fn / TRL)", f"{ratio:.2f}x faster", f"{speedup:.2f}x", "", "", ""])
+        rows.append(["ratio (miles-fn / TRL)", f"{ratio:.2f}x", f"{speedup:.2f}x", "", "", ""])
     table = common.print_table(
         f"RL step: GRPO on {settings['task_digits']}-digit addition, {settings['prompts_per_step']} prompts x "
         f"{settings['group_size']} samples, lr {settings['lr']:g}, "
