@@ -154,6 +154,21 @@ flags.register_validator(
 )
 
 
+# Reproducibility: exact resume, step snapshots, and debug hooks for the tests of both
+flags.DEFINE_boolean("resume", False, "Continue exactly from the latest checkpoint under <output_dir>/checkpoints.")
+flags.DEFINE_list("snapshot_steps", [], "RL steps (1-based, e.g. 1,5,9) to snapshot for `python -m launch.replay`; "
+                  "a failed step is always snapshotted.")
+flags.DEFINE_integer("debug_nan_at_step", 0, "Debug: plant a NaN in the advantages of RL step K (0 = off).",
+                     lower_bound=0)
+flags.DEFINE_string("debug_block_at", "", "Debug: block forever at POINT:STEP, POINT one of sft_step, rl_step "
+                    "(before the update of that 1-based step) or checkpoint_write (of the checkpoint of that "
+                    "state step), so that a test can kill the job there.")
+flags.register_validator("snapshot_steps", lambda v: all(s.strip().isdigit() and int(s) > 0 for s in v),
+                         "--snapshot_steps must be a comma-separated list of positive RL steps, e.g. 1,5,9")
+flags.register_validator("debug_block_at", lambda v: v == "" or (
+    v.partition(":")[0] in ("sft_step", "rl_step", "checkpoint_write") and v.partition(":")[2].isdigit()),
+    "--debug_block_at must be POINT:STEP with POINT one of sft_step, rl_step, checkpoint_write")
+
 flags.register_multi_flags_validator(
     ["num_heads", "num_kv_heads"],
     lambda v: v["num_heads"] % v["num_kv_heads"] == 0,
@@ -164,6 +179,16 @@ flags.register_multi_flags_validator(
     lambda v: v["hidden_size"] % v["num_heads"] == 0,
     "--hidden_size must divide by --num_heads",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReproConfig:
+    """Resume, snapshots and debug hooks: none of them changes the math of a step."""
+
+    resume: bool = False
+    snapshot_steps: tuple[int, ...] = ()
+    debug_nan_at_step: int = 0
+    debug_block_at: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +221,7 @@ class RunConfig:
     memory: MemoryConfig = MemoryConfig()
     rollout: RolloutConfig = RolloutConfig()
     profile_steps: tuple[int, int] | None = None
+    repro: ReproConfig = ReproConfig()
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -272,6 +298,12 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         ),
         rollout=rollout_config_from_flags(),
         profile_steps=parse_profile_steps(f.profile_steps),
+        repro=ReproConfig(
+            resume=f.resume,
+            snapshot_steps=tuple(int(s) for s in f.snapshot_steps),
+            debug_nan_at_step=f.debug_nan_at_step,
+            debug_block_at=f.debug_block_at,
+        ),
     )
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from absl import app, flags
 
+from launch import debug, profiling, resume, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
-from launch import profiling
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
@@ -32,7 +32,7 @@ from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
 from miles_fn.tasks.addition import AdditionTask
-from state import checkpoint, hf
+from state import hf
 from state.train_state import RolloutBuffer, TrainState
 from state.tree import tree_hash
 
@@ -52,9 +52,14 @@ class Job:
     state: TrainState
     engine: Engine
     eval_pairs: list[tuple[int, int]]
+    cursor: resume.Cursor = dataclasses.field(default_factory=resume.Cursor)
+    ref_params: Any = None  # the KL reference (the policy after the SFT warm-up), when --kl_coef > 0
+    saved_step: int = -1  # state.step of the last checkpoint written or resumed from
 
 
 def setup_torch(cfg: run_flags.RunConfig) -> None:
+    if cfg.deterministic:  # cuBLAS is deterministic only with a fixed workspace (set before CUDA starts)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(cfg.num_threads)
     torch.use_deterministic_algorithms(cfg.deterministic)
 
@@ -95,18 +100,22 @@ def sft_batch(task: AdditionTask, key: prng.Key, n: int) -> RolloutBuffer:
     return RolloutBuffer(tokens, positions, seg, mask, zeros, zeros, torch.zeros(n), torch.zeros(n, dtype=torch.int64))
 
 
-def sft_warmup(job: Job) -> float:
-    """Supervised steps on task answers. The optimizer state carries into RL: restarting Adam
-    would make RL's first update a sign step of size lr on every weight."""
-    cfg, loss_fn, loss = job.cfg, train.make_sft_loss(job.cfg.model), float("nan")
+def sft_warmup(job: Job, guard: steps.StepGuard) -> float:
+    """Supervised steps on task answers, from the cursor on. The optimizer state carries into RL:
+    restarting Adam would make RL's first update a sign step of size lr on every weight."""
+    cfg, cur = job.cfg, job.cursor
     stream = prng.fold_in(job.state.key, SFT_STREAM)
-    for s in range(cfg.sft_warmup_steps):
+    for s in range(cur.sft_step, cfg.sft_warmup_steps):
         k = prng.fold_in(stream, s)
-        job.state, m = train.train_step(job.state, sft_batch(job.task, k, cfg.sft_batch_size), k, loss_fn,
-                                        cfg.sft_optim)
-        loss = float(m["loss"])
+        batch = sft_batch(job.task, k, cfg.sft_batch_size)
+        debug.block_at(cfg.repro.debug_block_at, "sft_step", s + 1)
+        job.state, m = guard("sft", s + 1, job.state, batch, k)
+        cur.sft_step = s + 1
+        cur.summary["sft_final_loss"] = float(m["loss"])
+        if cfg.save_every and cur.sft_step % cfg.save_every == 0 and cur.sft_step < cfg.sft_warmup_steps:
+            save_checkpoint(job)
     job.engine.update_weights(int(job.state.step), job.state.params)
-    return loss
+    return cur.summary.get("sft_final_loss", float("nan"))
 
 
 def rollout(
@@ -145,9 +154,20 @@ def rollout(
 
 
 def save_checkpoint(job: Job) -> None:
-    step = int(job.state.step)
-    path = checkpoint.step_dir(os.path.join(job.cfg.output_dir, "checkpoints"), step)
-    checkpoint.save(path, job.state, {"step": step, "flags": run_flags.flag_values_dict()})
+    """Everything the next step needs (launch/resume.py); once per state step."""
+    if int(job.state.step) == job.saved_step:
+        return
+    block = lambda: debug.block_at(job.cfg.repro.debug_block_at, "checkpoint_write", int(job.state.step))
+    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block)
+    job.saved_step = int(job.state.step)
+
+
+def restore(job: Job) -> None:
+    """Continue from the latest checkpoint (--resume): state, KL reference, cursor, engine weights."""
+    r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
+    job.state, job.ref_params, job.cursor, job.saved_step = r.state, r.ref_params, r.cursor, int(r.state.step)
+    job.engine.update_weights(int(job.state.step), job.state.params)
+    sys.stderr.write(f"resumed from {r.path}: {job.cursor.sft_step} SFT and {job.cursor.rl_step} RL steps done\n")
 
 
 def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
@@ -157,34 +177,46 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     setup_torch(cfg)
     job = build(cfg)
     cfg = job.cfg
-    writer = MetricsWriter(cfg.output_dir, cfg.tensorboard)
-    summary: dict[str, Any] = {"eval_success_init": evaluate(job)}
+    if cfg.repro.resume:
+        restore(job)
+    cur = job.cursor
+    guard = steps.StepGuard.from_config(cfg, run_flags.flag_values_dict())
+    writer = MetricsWriter(cfg.output_dir, cfg.tensorboard, resume_step=cur.rl_step if cfg.repro.resume else None)
+    summary = cur.summary
+    if "eval_success_init" not in summary:
+        summary["eval_success_init"] = evaluate(job)
     t0 = time.time()
-    if cfg.sft_warmup_steps:
-        summary["sft_final_loss"] = sft_warmup(job)
-    summary["sft_seconds"] = time.time() - t0
-    summary["eval_success_step0"] = last_eval = evaluate(job)
-    ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
-    loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss)
-    bar = _progress(cfg)
+    if not cur.sft_done:
+        if cfg.sft_warmup_steps:
+            sft_warmup(job, guard)
+        cur.sft_done = True
+        cur.last_eval = summary["eval_success_step0"] = evaluate(job)
+        job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
+        if cfg.save_every and cfg.sft_warmup_steps:
+            save_checkpoint(job)
+    last_eval = cur.last_eval
+    bar = _progress(cfg, cur.rl_step)
     profiler = profiling.StepProfiler(cfg.profile_steps, cfg.output_dir)
     t_rl = time.time()
-    for step in range(cfg.num_steps):
+    for step in range(cur.rl_step, cfg.num_steps):
         timer = profiling.PhaseTimer()
         profiler.begin(step + 1)
         key = prng.fold_in(job.state.key, step)
         with launch_memory.offloaded(job, cfg.memory.offload_train_state):
-            buf, stats = rollout(job, key, ref_params, timer)
+            buf, stats = rollout(job, key, job.ref_params, timer)
+        if cfg.repro.debug_nan_at_step == step + 1:
+            buf = debug.plant_nan(buf)
+        debug.block_at(cfg.repro.debug_block_at, "rl_step", step + 1)
         with timer("train"):
-            job.state, metrics = launch_memory.train_update(cfg.memory, cfg.model, job.state, buf,
-                                                            prng.fold_in(key, K_TRAIN), loss_fn, cfg.optim)
+            job.state, metrics = guard("rl", step + 1, job.state, buf, prng.fold_in(key, K_TRAIN))
+        cur.rl_step = step + 1
         with timer("weight_sync"):
             job.engine.update_weights(int(job.state.step), job.state.params)
         profiler.end(step + 1)
         metrics = to_floats({**stats, **metrics})
         metrics.update(timer.metrics())
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
-            metrics["eval_success"] = last_eval = evaluate(job)
+            metrics["eval_success"] = last_eval = cur.last_eval = evaluate(job)
             if cfg.rollout.eval_pass_k:
                 metrics.update(sampled_pass_at_k(job.engine, [job.task.prompt_ids(*p) for p in job.eval_pairs],
                                                  job.eval_pairs, job.task.reward, cfg.sampling,
@@ -199,27 +231,35 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         bar.close()
     writer.close()
     save_checkpoint(job)
+    summary = {**{k: summary[k] for k in ("eval_success_init", "sft_final_loss") if k in summary},
+               "sft_seconds": t_rl - t0, "eval_success_step0": summary["eval_success_step0"]}
     plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
     summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl, state_hash=tree_hash(job.state))
     return summary
 
 
-def _progress(cfg: run_flags.RunConfig):
+def _progress(cfg: run_flags.RunConfig, initial: int = 0):
     if not cfg.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.num_steps, desc="rl", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.num_steps, initial=initial, desc="rl", unit="step", dynamic_ncols=True)
+
+
+def config_from_flags() -> run_flags.RunConfig:
+    """The RunConfig of the parsed flags (the task fixes vocabulary, stop token and answer length)."""
+    task = AdditionTask(digits=flags.FLAGS.task_digits)
+    return run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-    task = AdditionTask(digits=flags.FLAGS.task_digits)
-    cfg = run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
+    cfg = config_from_flags()
     try:
         summary = run(cfg)
-    except (UserError, launch_memory.MemoryPlanError, EngineError, PluginError, DataError, RolloutFileError) as e:
+    except (UserError, launch_memory.MemoryPlanError, EngineError, PluginError, DataError, RolloutFileError,
+            resume.ResumeError, steps.StepFailed) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

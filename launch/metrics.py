@@ -1,4 +1,9 @@
-"""Metrics sinks: JSONL (one line per step, stable key order), TensorBoard, and a reward plot."""
+"""Metrics sinks: JSONL (one line per step, stable key order), TensorBoard, and a reward plot.
+
+metrics.jsonl holds only what the seed determines, so two runs of the same flags (or a
+straight and a resumed run) write it byte for byte alike; wall-clock `time_*` values go
+to timings.jsonl (same row format) and both go to TensorBoard.
+"""
 
 from __future__ import annotations
 
@@ -15,21 +20,68 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+TIMING_PREFIX = "time_"
+
+
+def split_timings(metrics: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(seed-determined metrics, wall-clock `time_*` timings)."""
+    timings = {k: v for k, v in metrics.items() if k.startswith(TIMING_PREFIX)}
+    return {k: v for k, v in metrics.items() if k not in timings}, timings
+
+
+def jsonl_row(step: int, values: dict[str, float]) -> str:
+    return json.dumps({"step": step, **{k: values[k] for k in sorted(values)}}, allow_nan=True) + "\n"
+
+
+def truncate_jsonl(path: str, step: int) -> None:
+    """Keep the rows of steps <= step (and drop a torn last line), atomically; a resumed run appends after them."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        if not line.endswith("\n"):
+            break  # the writer was killed in the middle of this line
+        if json.loads(line)["step"] > step:
+            break
+        kept.append(line)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
-    def __init__(self, output_dir: str, tensorboard: bool = True, resume: bool = False):
+    """metrics.jsonl + timings.jsonl + TensorBoard. With resume_step, rows after it are dropped and
+    new ones appended (TensorBoard purges its later events too)."""
+
+    def __init__(self, output_dir: str, tensorboard: bool = True, resume_step: int | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a" if resume else "w")
+        self.timings_path = os.path.join(output_dir, "timings.jsonl")
+        if resume_step is not None:
+            truncate_jsonl(self.path, resume_step)
+            truncate_jsonl(self.timings_path, resume_step)
+        mode = "w" if resume_step is None else "a"
+        self._file = open(self.path, mode)
+        self._timings = open(self.timings_path, mode)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
-        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        values, timings = split_timings(metrics)
+        self._file.write(jsonl_row(step, values))
         self._file.flush()
+        if timings:
+            self._timings.write(jsonl_row(step, timings))
+            self._timings.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(v):
@@ -37,6 +89,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+        self._timings.close()
         if self._tb is not None:
             self._tb.close()
 

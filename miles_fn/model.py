@@ -144,15 +144,43 @@ def forward(
     Without a cache S = T; with one, keys are the cache's first cache_start + T columns.
     cfg.recompute recomputes each layer's activations in the backward pass (miles_fn.remat).
     """
+    return _forward(params, cfg, tokens, positions, mask, cache, cache_start, keep=False)[0]
+
+
+def forward_with_activations(
+    params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`forward` (the same ops in the same order, so the same logits bit for bit), also returning
+    the residual stream by name: "embed", "layer_00", ..., "final_norm" (each [B, T, H]), for debugging."""
+    return _forward(params, cfg, tokens, positions, mask, None, 0, keep=True)
+
+
+def _forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: KVCache | None,
+    cache_start: int,
+    keep: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    acts: dict[str, torch.Tensor] = {}
     x = params["embed"][tokens]
+    if keep:
+        acts["embed"] = x
     cos, sin = ops.rope_cos_sin(positions, cfg.dim_head, cfg.rope_theta)
     for i, layer in enumerate(params["layers"]):
         if cfg.recompute and cache is None and torch.is_grad_enabled():
             x = _recomputed_block(layer, cfg, x, cos, sin, mask)
         else:
             x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start)
+        if keep:
+            acts[f"layer_{i:02d}"] = x
     x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return ops.linear(x, params.get("lm_head", params["embed"]))
+    if keep:
+        acts["final_norm"] = x
+    return ops.linear(x, params.get("lm_head", params["embed"])), acts
 
 
 def sequence_logprobs(

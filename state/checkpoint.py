@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgpack
@@ -93,10 +94,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save(path: str, tree: Any, metadata: dict[str, Any] | None = None) -> None:
-    """Write `tree` (and msgpack-able `metadata`) to directory `path`, atomically."""
+def save(
+    path: str, tree: Any, metadata: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None
+) -> None:
+    """Write `tree` (and msgpack-able `metadata`) to directory `path`, atomically.
+
+    `before_commit` runs when the temporary directory is complete and not yet renamed
+    into place: a hook for tests that kill the writer in the middle of a write.
+    """
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(tree, tensors, "")
+    storages: set[int] = set()
+    for name, t in tensors.items():  # safetensors refuses shared memory (e.g. a KL reference aliasing params)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            tensors[name] = t.clone()
+        storages.add(ptr)
     blob = st_save(tensors) if tensors else b""
     body = msgpack.packb(
         {
@@ -115,6 +128,8 @@ def save(path: str, tree: Any, metadata: dict[str, Any] | None = None) -> None:
     _fsync_write(os.path.join(tmp, _TENSORS), blob)
     _fsync_write(os.path.join(tmp, _META), msgpack.packb({"body": body, "sha256": hashlib.sha256(body).hexdigest()}))
     _fsync_dir(tmp)
+    if before_commit is not None:
+        before_commit()
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"
         os.rename(path, old)
