@@ -191,3 +191,13 @@ def test_guard_snapshots_requested_and_non_finite_steps_only(tmp_path):
         guard("rl", 3, new2, nan_batch, prng.key(0))
     snap = snapshot.load(str(tmp_path / "snapshots" / "rl_00000003"))
     assert not snap.recorded.finite and snap.recorded.new_state_hash == tree_hash(new2)
+
+
+def test_guard_lets_configuration_errors_through_unsnapshotted(tmp_path):
+    def bad_plan(state, batch, key):
+        raise KeyError("a flag error, not a failed step")
+
+    guard = StepGuard({"rl": bad_plan}, str(tmp_path), (), {}, CFG, passthrough=(KeyError,))
+    with pytest.raises(KeyError):
+        guard("rl", 1, _state(), _batch(), prng.key(0))
+    assert not (tmp_path / "snapshots").exists()
