@@ -84,9 +84,10 @@ def test_server_that_cannot_come_back_stops_the_run_with_a_clear_error_and_train
     assert p.returncode != 0
     assert "did not come back after 2 attempts" in p.stderr and "rollout_server.log" in p.stderr
     assert "Traceback" not in p.stderr
-    # Step 1 completed and was checkpointed; step 2's batch was cut short, so step 2 never trained.
+    # Step 1 completed and was checkpointed (after the end-of-SFT one); step 2's batch was cut short,
+    # so step 2 never trained.
     assert metrics(tmp_path) == embedded[1][:1]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
 
 
 def test_sglang_backend_drives_an_sglang_compatible_server_through_disk_sync(tmp_path):
