@@ -62,12 +62,16 @@ def miles_job(start: str, out_dir: str, args: Any):
 
 def sft_start(init: str, start: str, args: Any) -> float:
     """Supervised warm-up with miles-fn from `init`; writes `start` and returns its held-out success."""
+    import dataclasses
+
+    from launch import flags as run_flags
     from launch import main as launch_main
+    from launch import steps
     from state import hf
 
     job = miles_job(init, os.path.join(start, "_run"), args)
-    job.cfg = __import__("dataclasses").replace(job.cfg, sft_warmup_steps=args.sft_steps)
-    launch_main.sft_warmup(job)
+    job.cfg = dataclasses.replace(job.cfg, sft_warmup_steps=args.sft_steps)
+    launch_main.sft_warmup(job, steps.StepGuard.from_config(job.cfg, run_flags.flag_values_dict()))
     hf.save_hf(start, job.cfg.model, job.state.params)
     return launch_main.evaluate(job)
 
