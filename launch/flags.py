@@ -12,8 +12,12 @@ from absl import flags
 
 from launch.engines.config import RolloutConfig
 from launch.profiling import parse_profile_steps
+from launch.rl import RolloutShaping
+from miles_fn.advantages import ESTIMATORS
 from miles_fn.config import ModelConfig
+from miles_fn.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from miles_fn.memory import MemoryConfig
+from miles_fn.objective import ObjectiveConfig
 from miles_fn.optim import OptimConfig
 from miles_fn.sampling import SamplingConfig
 from miles_fn.train import PolicyLossConfig
@@ -69,8 +73,8 @@ flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_b
 # Loss
 flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
 flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
-flags.DEFINE_float("kl_coef", 0.0, "Weight of the k3 KL to the initial policy (0 = no reference).", lower_bound=0.0)
-flags.DEFINE_enum("loss_agg", "token_mean", ["token_mean", "seq_mean_token_mean"], "Loss aggregation.")
+flags.DEFINE_float("kl_coef", 0.0, "Weight of the KL to the initial policy (0 = no reference).", lower_bound=0.0)
+flags.DEFINE_enum("loss_agg", "token_mean", list(AGG_MODES), "Loss aggregation (see miles_fn.losses.aggregate).")
 flags.DEFINE_boolean("normalize_advantage_std", True, "GRPO std normalisation (off = Dr. GRPO).")
 
 # Supervised warm-up
@@ -152,6 +156,30 @@ flags.register_validator(
                         and v.partition(":")[2].isdigit()),
     "--debug_rollout_server_fault must be crash_once:N, crash_always:N or crash_permanent:N",
 )
+# Algorithm library (miles_fn.advantages / losses / objective / dapo; launch/flags/*.flags show combinations)
+flags.DEFINE_enum("advantage_estimator", "grpo", sorted(ESTIMATORS),
+                  "grpo, dr_grpo (no std), rloo, reinforce (batch-mean baseline), reinforce_pp, gae (PPO with a "
+                  "value model).")
+flags.DEFINE_enum("policy_loss", "ppo_clip", sorted(POLICY_LOSSES), "ppo_clip, dual_clip, gspo (sequence ratio), pg.")
+flags.DEFINE_enum("kl_type", "k3", sorted(KL_ESTIMATORS), "KL estimator to the reference (k1, k2, k3).")
+flags.DEFINE_float("kl_clamp", 10.0, "Clamp of the log-ratio inside the KL estimators.", lower_bound=0.0)
+flags.DEFINE_boolean("use_kl_loss", True, "--kl_coef weighs a KL loss term (True) or a KL penalty in the reward.")
+flags.DEFINE_float("entropy_coef", 0.0, "Weight of the entropy bonus (full-vocabulary entropy).", lower_bound=0.0)
+flags.DEFINE_float("dual_clip_c", 3.0, "Dual-clip constant c > 1 (--policy_loss=dual_clip).", lower_bound=1.0)
+flags.DEFINE_float("value_coef", 1.0, "Weight of the value loss (PPO's critic).", lower_bound=0.0)
+flags.DEFINE_float("value_clip", 0.2, "Clip of the value update around the rollout values (0 = off).", lower_bound=0.0)
+flags.DEFINE_float("critic_lr", 1e-3, "Learning rate of the value model.", lower_bound=0.0)
+flags.DEFINE_float("gamma", 1.0, "Discount (GAE, REINFORCE++).", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("lam", 0.95, "GAE lambda.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_boolean("dynamic_sampling", False, "DAPO: drop groups whose rewards are all equal and resample.")
+flags.DEFINE_integer("dynamic_sampling_max_rounds", 4, "Generation rounds per step at most.", lower_bound=1)
+flags.DEFINE_integer("overlong_buffer", 0, "DAPO soft overlong punishment over the last N tokens (0 = off).",
+                     lower_bound=0)
+flags.DEFINE_float("overlong_penalty_factor", 1.0, "Size of the overlong punishment.", lower_bound=0.0)
+flags.DEFINE_boolean("sft", False, "Supervised fine-tuning on --sft_data for --num_steps steps, no rollouts.")
+flags.DEFINE_string("sft_data", "", "Prompt/response JSONL for --sft (e.g. examples/addition_sft.jsonl).")
+flags.DEFINE_string("custom_loss", "", "module:factory of a policy loss, factory(model_cfg, ObjectiveConfig) -> "
+                    "loss_fn (e.g. examples.composed_loss:make_loss); replaces --policy_loss's.")
 
 
 # Reproducibility: exact resume, step snapshots, and debug hooks for the tests of both
@@ -222,6 +250,11 @@ class RunConfig:
     rollout: RolloutConfig = RolloutConfig()
     profile_steps: tuple[int, int] | None = None
     repro: ReproConfig = ReproConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    shaping: RolloutShaping = RolloutShaping()
+    sft: bool = False
+    sft_data: str = ""
+    custom_loss: str = ""
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -304,6 +337,31 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             debug_nan_at_step=f.debug_nan_at_step,
             debug_block_at=f.debug_block_at,
         ),
+        objective=ObjectiveConfig(
+            advantage_estimator=f.advantage_estimator,
+            policy_loss=f.policy_loss,
+            loss_agg=f.loss_agg,
+            max_response_len=sampling.max_new_tokens,
+            eps_clip=f.eps_clip,
+            eps_clip_high=loss.eps_clip_high,
+            dual_clip_c=f.dual_clip_c,
+            kl_type=f.kl_type,
+            kl_coef=f.kl_coef,
+            kl_clamp=f.kl_clamp,
+            use_kl_loss=f.use_kl_loss,
+            entropy_coef=f.entropy_coef,
+            value_coef=f.value_coef,
+            value_clip=f.value_clip,
+            gamma=f.gamma,
+            lam=f.lam,
+            normalize_std=f.normalize_advantage_std,
+            temperature=sampling.logprob_temperature,
+        ),
+        shaping=RolloutShaping(f.dynamic_sampling, f.dynamic_sampling_max_rounds, f.overlong_buffer,
+                               f.overlong_penalty_factor, f.critic_lr),
+        sft=f.sft,
+        sft_data=f.sft_data,
+        custom_loss=f.custom_loss,
     )
 
 

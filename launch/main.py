@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from absl import app, flags
 
-from launch import debug, profiling, resume, steps
+from launch import debug, profiling, resume, rl, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
+from launch import sft as sft_data
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
@@ -126,6 +127,9 @@ def rollout(
     rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
     if cfg.rollout.load_rollouts:
         return load_rollout(cfg.rollout.load_rollouts, rl_step)
+    if rl.shapes_rollouts(cfg):  # DAPO's dynamic sampling / overlong shaping (launch.rl)
+        with timer("rollout"):
+            return rl.dapo_rollout(job, key, ref_params, K_DATA, K_ROLLOUT)
     with timer("rollout"):  # generation; collect also scores the responses
         col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
                       prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
@@ -139,6 +143,7 @@ def rollout(
             ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
                                           cfg.loss.temperature)
         buf = buf._replace(ref_logprobs=ref)
+    buf = rl.finish(job, buf)  # critic values and the configured advantage estimator
     n = len(gen.tokens)
     stats = {
         "reward_mean": buf.rewards.mean(),
@@ -180,11 +185,16 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     if cfg.repro.resume:
         restore(job)
     cur = job.cursor
-    guard = steps.StepGuard.from_config(cfg, run_flags.flag_values_dict())
+    try:
+        guard = steps.StepGuard.from_config(cfg, run_flags.flag_values_dict())
+    except ValueError as e:  # an objective the flags cannot build (--custom_loss, packing limits)
+        raise UserError(str(e)) from e
     writer = MetricsWriter(cfg.output_dir, cfg.tensorboard, resume_step=cur.rl_step if cfg.repro.resume else None)
     summary = cur.summary
     if "eval_success_init" not in summary:
         summary["eval_success_init"] = evaluate(job)
+    if cfg.sft:
+        return run_sft(job, writer, summary)
     t0 = time.time()
     if not cur.sft_done:
         if cfg.sft_warmup_steps:
@@ -192,6 +202,7 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         cur.sft_done = True
         cur.last_eval = summary["eval_success_step0"] = evaluate(job)
         job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
+        job.state = rl.attach_critic(cfg, job.state)  # PPO: a value model from the warmed-up trunk
         if cfg.save_every and cfg.sft_warmup_steps:
             save_checkpoint(job)
     last_eval = cur.last_eval
@@ -235,6 +246,33 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
                "sft_seconds": t_rl - t0, "eval_success_step0": summary["eval_success_step0"]}
     plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
     summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl, state_hash=tree_hash(job.state))
+    return summary
+
+
+def run_sft(job: Job, writer: MetricsWriter, summary: dict[str, Any]) -> dict[str, Any]:
+    """--sft: --num_steps supervised steps on --sft_data (no rollouts), evaluated like an RL run."""
+    cfg = job.cfg
+    if not cfg.sft_data:
+        raise UserError("--sft needs --sft_data=FILE.jsonl (rows of {\"prompt\": ..., \"response\": ...})")
+    try:
+        examples = sft_data.load_jsonl(cfg.sft_data, job.task.tokenizer)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    loss_fn, stream, t0 = train.make_sft_loss(cfg.model), prng.fold_in(job.state.key, SFT_STREAM), time.time()
+    for s in range(cfg.num_steps):
+        k = prng.fold_in(stream, s)
+        job.state, m = train.train_step(job.state, sft_data.batch(examples, k, cfg.sft_batch_size), k, loss_fn,
+                                        cfg.sft_optim)
+        job.engine.update_weights(int(job.state.step), job.state.params)
+        metrics = to_floats(m)
+        if (cfg.eval_every and (s + 1) % cfg.eval_every == 0) or s + 1 == cfg.num_steps:
+            metrics["eval_success"] = evaluate(job)
+        writer.write(s + 1, metrics)
+        summary["sft_final_loss"] = metrics["loss"]
+    writer.close()
+    save_checkpoint(job)
+    summary.update(eval_success_final=evaluate(job), sft_seconds=time.time() - t0, sft_rows=len(examples),
+                   state_hash=tree_hash(job.state))
     return summary
 
 

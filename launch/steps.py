@@ -34,10 +34,10 @@ class StepFailed(Exception):
 
 def make_step_fn(cfg: RunConfig, phase: str) -> StepFn:
     """RL: the GRPO loss under the memory flags (micro-batching, recompute); SFT: the plain supervised step."""
-    if phase == "rl":
-        loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss)
-        return lambda state, batch, key: launch_memory.train_update(cfg.memory, cfg.model, state, batch, key,
-                                                                    loss_fn, cfg.optim)
+    if phase == "rl":  # the default is make_grpo_loss under launch.memory; launch.rl picks by the objective flags
+        from launch import rl
+
+        return rl.make_update(cfg)
     if phase == "sft":
         loss_fn = train.make_sft_loss(cfg.model)
         return lambda state, batch, key: train.train_step(state, batch, key, loss_fn, cfg.sft_optim)

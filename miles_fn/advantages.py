@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
 import torch
 
 
@@ -35,3 +40,173 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = T
 def broadcast_to_tokens(adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Per-sample advantages [N] -> per-token [N, T] (zero off the mask)."""
     return adv[:, None].to(loss_mask.dtype) * loss_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimator library. Every estimator shares one signature,
+#     estimator(inputs: AdvantageInputs, cfg: AdvantageConfig) -> (advantages [N, T], returns [N, T]),
+# so a registry is a plain read-only dict of functions (ESTIMATORS below).
+# Token layout: column t of the [N, T] tensors scores tokens[:, t+1]; the response is the
+# contiguous run of columns where mask = 1, its last column carries the outcome reward.
+
+
+class AdvantageInputs(NamedTuple):
+    rewards: torch.Tensor  # [N] outcome rewards
+    group_ids: torch.Tensor  # [N] int64, samples of one prompt share an id
+    mask: torch.Tensor  # [N, T] response columns
+    kl: torch.Tensor | None = None  # [N, T] per-token KL(pi_old || ref), folded into the reward when kl_coef > 0
+    values: torch.Tensor | None = None  # [N, T] V(s_t) of the critic (GAE only)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    normalize_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 0.95  # GAE lambda
+    kl_coef: float = 0.0  # beta of the KL folded into the reward (0 = off)
+    eps: float = 1e-6
+
+
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """1.0 at the last masked column of each row (rows without one are all zero)."""
+    nxt = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+    return mask * (1.0 - nxt)
+
+
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards: r_t = R 1[t = last] - beta kl_t on the response columns (float64)."""
+    m = mask.to(torch.float64)
+    out = last_token_mask(m) * rewards.to(torch.float64)[:, None]
+    if kl is not None and kl_coef > 0:
+        out = out - kl_coef * torch.where(m > 0, kl.to(torch.float64), torch.zeros_like(m))
+    return out
+
+
+def sequence_rewards(inputs: AdvantageInputs, kl_coef: float) -> torch.Tensor:
+    """R_i - beta sum_t kl_{i,t}: the outcome reward with the KL penalty folded in (float64, [N])."""
+    return token_rewards(inputs.rewards, inputs.mask, inputs.kl, kl_coef).sum(-1)
+
+
+def discounted_returns(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma m_{t+1} G_{t+1}, zero off the mask: the return to go inside the response."""
+    m = mask.to(r.dtype)
+    out = torch.zeros_like(r)
+    nxt = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        nxt = m[:, t] * (r[:, t] + gamma * nxt)
+        out[:, t] = nxt
+    return out
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch (population std), zero elsewhere."""
+    m = mask.to(torch.float64)
+    x = torch.where(m > 0, x.to(torch.float64), torch.zeros_like(m))
+    n = torch.clamp(m.sum(), min=1.0)
+    mean = x.sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) / (var.sqrt() + eps) * m
+
+
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024): A_i = r_i - (sum_{j in g, j != i} r_j) / (n_g - 1); 0 for singletons."""
+    mean, _, count = group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    loo = (mean * count - r) / torch.clamp(count - 1, min=1)
+    return torch.where(count > 1, r - loo, torch.zeros_like(r)).to(torch.float32)
+
+
+def est_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: A_{i,t} = (R_i - mean_g R) / (std_g R + eps) on every response token (Dr. GRPO without std)."""
+    r = inputs.rewards if cfg.kl_coef <= 0 or inputs.kl is None else sequence_rewards(inputs, cfg.kl_coef)
+    adv = broadcast_to_tokens(grpo(r, inputs.group_ids, cfg.normalize_std, cfg.eps), inputs.mask)
+    return adv, adv
+
+
+def est_dr_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO (Liu et al., 2025): A_{i,t} = R_i - mean_g R; pair it with loss_agg=seq_mean_token_sum_norm."""
+    return est_grpo(inputs, dataclasses.replace(cfg, normalize_std=False))
+
+
+def est_rloo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: A_{i,t} = R_i - mean of the other samples' R in the group, on every response token."""
+    r = inputs.rewards if cfg.kl_coef <= 0 or inputs.kl is None else sequence_rewards(inputs, cfg.kl_coef)
+    adv = broadcast_to_tokens(rloo(r, inputs.group_ids), inputs.mask)
+    return adv, adv
+
+
+def est_reinforce(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE with a batch-mean baseline: A_{i,t} = G_{i,t} - mean_j G_{j,first}, G the return to go.
+
+    With gamma = 1 and no KL, G_{i,t} = R_i and the baseline is the batch mean reward.
+    """
+    g = discounted_returns(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.mask, cfg.gamma)
+    first = (g * (_first_token_mask(inputs.mask))).sum(-1)
+    baseline = first.mean() if first.numel() else first.sum()
+    m = inputs.mask.to(torch.float64)
+    return ((g - baseline) * m).to(torch.float32), g.to(torch.float32)
+
+
+def est_reinforce_pp(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu, 2025): G_t = sum_{s >= t} gamma^{s-t} (R 1[s = last] - beta kl_s), A = whiten(G).
+
+    The whitening (mean and std over every response token of the batch) replaces a critic.
+    """
+    g = discounted_returns(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.mask, cfg.gamma)
+    return masked_whiten(g, inputs.mask, cfg.eps).to(torch.float32), g.to(torch.float32)
+
+
+def gae(r: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al., 2016) over the response: returns (advantages, returns = A + V).
+
+    delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t;  A_t = delta_t + gamma lam m_{t+1} A_{t+1}
+    The value after the last response token is 0 (the episode ends there).
+    """
+    m = mask.to(torch.float64)
+    v = torch.where(m > 0, values.to(torch.float64), torch.zeros_like(m))
+    r = r.to(torch.float64)
+    adv = torch.zeros_like(r)
+    a_next = torch.zeros_like(r[:, 0])
+    v_next = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * v_next - v[:, t]
+        a_next = m[:, t] * (delta + gamma * lam * a_next)
+        v_next = v[:, t]
+        adv[:, t] = a_next
+    return adv, (adv + v) * m
+
+
+def est_gae(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's GAE on per-token rewards (outcome at the last token, minus beta kl_t) with the critic's V."""
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'gae' needs the critic's values (run with --advantage_estimator=gae, "
+                         "which trains a value model)")
+    adv, ret = gae(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.values, inputs.mask,
+                   cfg.gamma, cfg.lam)
+    return adv.to(torch.float32), ret.to(torch.float32)
+
+
+def _first_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    prev = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    return mask * (1.0 - prev)
+
+
+ESTIMATORS: Mapping[str, Callable[[AdvantageInputs, AdvantageConfig], tuple[torch.Tensor, torch.Tensor]]] = (
+    MappingProxyType({
+        "grpo": est_grpo,
+        "dr_grpo": est_dr_grpo,
+        "rloo": est_rloo,
+        "reinforce": est_reinforce,
+        "reinforce_pp": est_reinforce_pp,
+        "gae": est_gae,
+    })
+)
+
+
+def estimate(name: str, inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Look up an estimator by name and apply it; the error lists the known names."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name](inputs, cfg)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 import ops
@@ -194,3 +195,32 @@ def sequence_logprobs(
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1]."""
     logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))
     return ops.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
+
+
+def sequence_logprobs_and_entropy(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    segment_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence_logprobs, full-vocabulary entropy of each next-token distribution), both [B, T-1], one forward."""
+    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))[:, :-1]
+    return ops.token_logprobs(logits, tokens[:, 1:], temperature), ops.token_entropy(logits, temperature)
+
+
+def sequence_values(
+    params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor
+) -> torch.Tensor:
+    """V(tokens[:, :t+1]) for t < T-1, [B, T-1], from a value model: a decoder whose lm_head is [1, H]."""
+    if params["lm_head"].shape[0] != 1:
+        raise ValueError(f"a value model's lm_head must be [1, hidden], got {tuple(params['lm_head'].shape)}")
+    return forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))[:, :-1, 0]
+
+
+def value_model_from(params: Params) -> Params:
+    """A value model initialised from a policy: a copy of its trunk and a zero value head (V = 0 at the start)."""
+    trunk = {k: v for k, v in params.items() if k != "lm_head"}
+    copy = optree.tree_map(torch.clone, trunk)
+    return {**copy, "lm_head": torch.zeros(1, params["embed"].shape[1], dtype=params["embed"].dtype)}

@@ -30,6 +30,7 @@ _NAMEDTUPLES: dict[str, type] = {
     "TrainState": train_state.TrainState,
     "AdamWState": train_state.AdamWState,
     "RolloutBuffer": train_state.RolloutBuffer,
+    "ActorCriticState": train_state.ActorCriticState,
 }
 
 

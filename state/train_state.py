@@ -42,6 +42,35 @@ class RolloutBuffer(NamedTuple):
     rewards: torch.Tensor  # [N] float32
     group_ids: torch.Tensor  # [N] int64
     ref_logprobs: torch.Tensor | None = None  # [N, T-1], when a KL to a reference is on
+    values: torch.Tensor | None = None  # [N, T-1] critic's V at rollout time (PPO with a value model)
+    returns: torch.Tensor | None = None  # [N, T-1] value targets (PPO with a value model)
+    # Global counts of the whole step's batch (all micro-batches): losses normalise by them when set,
+    # so that accumulating micro-batch gradients equals one full-batch step (NeMo-RL style).
+    num_tokens: torch.Tensor | None = None  # scalar: sum of loss_mask over the whole batch
+    num_samples: torch.Tensor | None = None  # scalar: rows of the whole batch
+
+
+class ActorCriticState(NamedTuple):
+    """PPO's state: the policy's TrainState and the value model's, each with its own AdamW moments.
+
+    One pytree (checkpointed, hashed and replayed as one). `params`, `step` and `key` are the
+    policy's, so the shell can read it as it reads a TrainState (engine sync, checkpoint names).
+    """
+
+    policy: TrainState
+    critic: TrainState
+
+    @property
+    def params(self) -> Any:
+        return self.policy.params
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.policy.step
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.policy.key
 
 
 def replace(state: NamedTuple, **changes: Any) -> Any:
