@@ -35,11 +35,12 @@ class StepFailed(Exception):
 def make_step_fn(cfg: RunConfig, phase: str) -> StepFn:
     """RL: the GRPO loss under the memory flags (micro-batching, recompute); SFT: the plain supervised step."""
     if phase == "rl":
-        loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss)
+        loss_fn = train.make_grpo_loss(launch_memory.training_model_config(cfg.memory, cfg.model), cfg.loss,
+                                       cfg.ops, cfg.offpolicy)
         return lambda state, batch, key: launch_memory.train_update(cfg.memory, cfg.model, state, batch, key,
                                                                     loss_fn, cfg.optim)
     if phase == "sft":
-        loss_fn = train.make_sft_loss(cfg.model)
+        loss_fn = train.make_sft_loss(cfg.model, cfg.ops)
         return lambda state, batch, key: train.train_step(state, batch, key, loss_fn, cfg.sft_optim)
     raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
 

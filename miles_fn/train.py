@@ -14,7 +14,8 @@ import torch
 from optree import tree_flatten, tree_unflatten
 from torch.func import grad
 
-from miles_fn import losses, model, optim, packing, prng
+import ops
+from miles_fn import losses, model, offpolicy, optim, packing, prng
 from miles_fn.config import ModelConfig
 from miles_fn.packing import PackedBatch
 from state.train_state import RolloutBuffer, TrainState
@@ -175,16 +176,30 @@ class PolicyLossConfig:
     temperature: float = 1.0
 
 
-def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
-    """PPO-clip on per-token advantages, token-mean, plus an optional k3 KL term to a reference."""
+def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE,
+                   offpolicy_cfg: offpolicy.OffPolicyConfig | None = None) -> LossFn:
+    """PPO-clip on per-token advantages, token-mean, plus an optional k3 KL term to a reference.
+
+    Logs the train/inference mismatch (miles_fn.offpolicy.mismatch_metrics) every step; with an
+    off-policy correction the per-token terms are importance-weighted and PPO's old policy is the
+    trainer's own (detached) log-prob rather than the engine's.
+    """
 
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # the policy loss draws no randomness
         logp = model.sequence_logprobs(
-            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature
+            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature, ops_cfg=ops_cfg
         )
-        per_tok, aux = losses.ppo_clip(logp, batch.old_logprobs, batch.advantages, batch.loss_mask,
+        correct = offpolicy_cfg is not None and offpolicy_cfg.correction != "none"
+        old = logp.detach() if correct else batch.old_logprobs
+        per_tok, aux = losses.ppo_clip(logp, old, batch.advantages, batch.loss_mask,
                                        cfg.eps_clip, cfg.eps_clip_high)
+        if correct:
+            w, is_aux = offpolicy.importance_weights(logp, batch.old_logprobs, batch.loss_mask, offpolicy_cfg)
+            per_tok = per_tok * w
+            aux.update(is_aux)
+        # (micro-batched, mismatch_max becomes the token-weighted mean of the micro-batches' maxima)
+        aux.update(offpolicy.mismatch_metrics(logp, batch.old_logprobs, batch.loss_mask))
         aux = packing.token_share(aux, batch)  # a micro-batch reports its share of the whole batch's means
         loss = packing.aggregate(per_tok, batch, cfg.loss_agg)
         aux["pg_loss"] = loss.detach()
@@ -202,12 +217,13 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
     return loss_fn
 
 
-def make_sft_loss(model_cfg: ModelConfig) -> LossFn:
+def make_sft_loss(model_cfg: ModelConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> LossFn:
     """Token-mean cross-entropy on batch.loss_mask (any batch with tokens, positions, segment_ids, loss_mask)."""
 
     def loss_fn(params: Any, batch: Any, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key
-        logp = model.sequence_logprobs(params, model_cfg, batch.tokens, batch.positions, batch.segment_ids)
+        logp = model.sequence_logprobs(params, model_cfg, batch.tokens, batch.positions, batch.segment_ids,
+                                       ops_cfg=ops_cfg)
         return packing.aggregate(losses.sft_nll(logp), batch), {}
 
     return loss_fn
