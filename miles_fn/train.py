@@ -91,7 +91,7 @@ def accumulate_gradients(
     log: Callable[[str], None] | None = None,
     use_autograd: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(sum of gradients, sum of losses, sum of aux, {"micro_batches", "oom_splits"}) over micro_batches."""
+    """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"})."""
     if not micro_batches:
         raise ValueError("train_step_accumulated needs at least one micro-batch")
     grads, loss, aux, done, splits = None, torch.zeros(()), {}, 0, 0
@@ -103,7 +103,8 @@ def accumulate_gradients(
             g, l_mb, a_mb = r
             grads = g if grads is None else tree_map(torch.add, grads, g)
             loss = loss + l_mb
-            aux = a_mb if not aux else {k: aux[k] + v for k, v in a_mb.items()}
+            aux = a_mb if not aux else {k: torch.maximum(aux[k], v) if k.endswith("_max") else aux[k] + v
+                                        for k, v in a_mb.items()}
             done += 1
     stats = {"micro_batches": torch.tensor(float(done)), "oom_splits": torch.tensor(float(splits))}
     return grads, loss, aux, stats
@@ -198,9 +199,11 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.O
             w, is_aux = offpolicy.importance_weights(logp, batch.old_logprobs, batch.loss_mask, offpolicy_cfg)
             per_tok = per_tok * w
             aux.update(is_aux)
-        # (micro-batched, mismatch_max becomes the token-weighted mean of the micro-batches' maxima)
-        aux.update(offpolicy.mismatch_metrics(logp, batch.old_logprobs, batch.loss_mask))
+        mismatch = offpolicy.mismatch_metrics(logp, batch.old_logprobs, batch.loss_mask)
+        worst = mismatch.pop("mismatch_max")  # *_max metrics combine across micro-batches by max, not sum
+        aux.update(mismatch)
         aux = packing.token_share(aux, batch)  # a micro-batch reports its share of the whole batch's means
+        aux["mismatch_max"] = worst
         loss = packing.aggregate(per_tok, batch, cfg.loss_agg)
         aux["pg_loss"] = loss.detach()
         if cfg.kl_coef > 0 and batch.ref_logprobs is not None:
