@@ -10,6 +10,7 @@ import dataclasses
 
 from absl import flags
 
+import ops
 from launch.engines.config import RolloutConfig
 from launch.profiling import parse_profile_steps
 from launch.rl import RolloutShaping
@@ -18,6 +19,7 @@ from miles_fn.config import ModelConfig
 from miles_fn.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from miles_fn.memory import MemoryConfig
 from miles_fn.objective import ObjectiveConfig
+from miles_fn.offpolicy import OffPolicyConfig
 from miles_fn.optim import OptimConfig
 from miles_fn.sampling import SamplingConfig
 from miles_fn.train import PolicyLossConfig
@@ -135,7 +137,9 @@ flags.DEFINE_enum("rollout_weight_sync", "tensor", ["tensor", "disk"], "http bac
 flags.DEFINE_integer("sglang_tp_size", 1, "sglang: --tp-size of a started server.", lower_bound=1)
 flags.DEFINE_float("sglang_mem_fraction_static", 0.7, "sglang: --mem-fraction-static of a started server.",
                    lower_bound=0.05, upper_bound=0.99)
-flags.DEFINE_boolean("true_on_policy", False, "sglang: start it with --enable-deterministic-inference.")
+flags.DEFINE_boolean("true_on_policy", False, "Engine and trainer run the batch-invariant ops (ops.INVARIANT): the "
+                     "embedded engine's log-probs equal the trainer's bit for bit; sglang: start it with "
+                     "--enable-deterministic-inference.")
 flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
                     "(the started server dies on /generate call N; see launch/engines/__init__.py).")
 flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
@@ -180,6 +184,43 @@ flags.DEFINE_boolean("sft", False, "Supervised fine-tuning on --sft_data for --n
 flags.DEFINE_string("sft_data", "", "Prompt/response JSONL for --sft (e.g. examples/addition_sft.jsonl).")
 flags.DEFINE_string("custom_loss", "", "module:factory of a policy loss, factory(model_cfg, ObjectiveConfig) -> "
                     "loss_fn (e.g. examples.composed_loss:make_loss); replaces --policy_loss's.")
+
+# True on-policy, kernels and off-policy corrections (ops/, miles_fn/offpolicy.py)
+# (--true_on_policy is defined with the rollout flags above; here it selects ops.INVARIANT.)
+flags.DEFINE_enum("attention_backend", "torch", list(ops.config.ATTENTION_BACKENDS),
+                  "Attention kernels: torch (SDPA / invariant blocked), flash_attn (varlen), flash_attn_3.")
+flags.DEFINE_enum("gemm_backend", "torch", list(ops.config.GEMM_BACKENDS), "GEMM kernels: torch or deep_gemm (FP8).")
+flags.DEFINE_boolean("compile", False, "torch.compile the model forward (CPU and GPU).")
+flags.DEFINE_integer("invariant_tile_rows", 64, "Rows per GEMM call of the invariant linear.", lower_bound=1)
+flags.DEFINE_integer("invariant_kv_block", 1, "Key positions per block of the invariant attention (1 = one at a "
+                     "time: fastest for short sequences; 16+ for long ones).", lower_bound=1)
+flags.DEFINE_enum("offpolicy_correction", "none", ["none", "tis", "mis"],
+                  "Importance-weight the policy loss for the train/inference mismatch: truncated (tis) or "
+                  "masked (mis).")
+flags.DEFINE_float("tis_cap", 2.0, "TIS: cap on the importance ratio pi_train / pi_engine.", lower_bound=0.0)
+flags.DEFINE_float("mis_low", 0.5, "MIS: tokens with a ratio below this leave the loss.", lower_bound=0.0)
+flags.DEFINE_float("mis_high", 2.0, "MIS: tokens with a ratio above this leave the loss.", lower_bound=0.0)
+
+
+def ops_config_from_flags() -> ops.OpsConfig:
+    f = FLAGS
+    return ops.OpsConfig(mode="invariant" if f.true_on_policy else "reference", attention_backend=f.attention_backend,
+                         gemm_backend=f.gemm_backend, compile=f.compile, tile_rows=f.invariant_tile_rows,
+                         kv_block=f.invariant_kv_block)
+
+
+def offpolicy_config_from_flags() -> OffPolicyConfig:
+    f = FLAGS
+    return OffPolicyConfig(correction=f.offpolicy_correction, tis_cap=f.tis_cap, mis_low=f.mis_low,
+                           mis_high=f.mis_high)
+
+
+flags.register_multi_flags_validator(
+    ["true_on_policy", "compile"],
+    lambda v: not (v["true_on_policy"] and v["compile"]),
+    "--compile cannot be combined with --true_on_policy: torch.compile re-fuses the reductions the invariant "
+    "kernels fix, so engine and trainer would no longer agree bit for bit",
+)
 
 
 # Reproducibility: exact resume, step snapshots, and debug hooks for the tests of both
@@ -255,6 +296,8 @@ class RunConfig:
     sft: bool = False
     sft_data: str = ""
     custom_loss: str = ""
+    ops: ops.OpsConfig = ops.REFERENCE
+    offpolicy: OffPolicyConfig = OffPolicyConfig()
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
@@ -362,6 +405,8 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         sft=f.sft,
         sft_data=f.sft_data,
         custom_loss=f.custom_loss,
+        ops=ops_config_from_flags(),
+        offpolicy=offpolicy_config_from_flags(),
     )
 
 

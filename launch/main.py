@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from absl import app, flags
 
+import ops
+import third_party
 from launch import debug, profiling, resume, rl, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
@@ -66,6 +68,10 @@ def setup_torch(cfg: run_flags.RunConfig) -> None:
 
 
 def build(cfg: run_flags.RunConfig) -> Job:
+    try:
+        ops.require_backends(cfg.ops)
+    except (third_party.MissingPackageError, ValueError) as e:
+        raise UserError(str(e)) from e
     task = AdditionTask(digits=cfg.task_digits, reverse_answer=cfg.task_reverse_answer,
                         fixed_width=cfg.task_fixed_width)
     root = prng.key(cfg.seed)
@@ -81,7 +87,8 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
     state = train.init_state(params, root)
-    engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads)
+    engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads,
+                         ops_cfg=cfg.ops)
     return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size))
 
 
@@ -141,7 +148,7 @@ def rollout(
     if ref_params is not None:
         with torch.no_grad(), timer("logprob_recompute"):
             ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
-                                          cfg.loss.temperature)
+                                          cfg.loss.temperature, ops_cfg=cfg.ops)
         buf = buf._replace(ref_logprobs=ref)
     buf = rl.finish(job, buf)  # critic values and the configured advantage estimator
     n = len(gen.tokens)

@@ -155,7 +155,7 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
     if cfg.custom_loss:
         policy_loss = load_factory(cfg.custom_loss)(model_cfg, obj)
     elif _is_default(cfg):
-        policy_loss = train.make_grpo_loss(model_cfg, cfg.loss)  # the default job, exactly as before
+        policy_loss = train.make_grpo_loss(model_cfg, cfg.loss, cfg.ops, cfg.offpolicy)  # the default job
     else:
         _check_packable(cfg)
         policy_loss = objective.make_policy_loss(model_cfg, obj)

@@ -39,7 +39,7 @@ def make_step_fn(cfg: RunConfig, phase: str) -> StepFn:
 
         return rl.make_update(cfg)
     if phase == "sft":
-        loss_fn = train.make_sft_loss(cfg.model)
+        loss_fn = train.make_sft_loss(cfg.model, cfg.ops)
         return lambda state, batch, key: train.train_step(state, batch, key, loss_fn, cfg.sft_optim)
     raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
 

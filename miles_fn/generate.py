@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+import ops
 from miles_fn import model, prng
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig, sample_with_noise
@@ -34,13 +35,17 @@ def generate(
     key: prng.Key,
     sampling: SamplingConfig,
     request_ids: Sequence[int] | None = None,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
 ) -> Generation:
     """Left-pad the prompts, prefill once, then decode one token per step for all live rows.
 
     `request_ids` name each request's key stream (default: its index in `prompts`).
+    The reported log-probs come from ops.token_logprobs under `ops_cfg`, the trainer's op:
+    with ops.INVARIANT they equal the trainer's full-sequence log-probs bit for bit.
     """
     ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
-    return generate_rows(params, cfg, prompts, prng.fold_in(key, ids), sampling)
+    return generate_rows(params, cfg, prompts, prng.fold_in(key, ids), sampling, ops_cfg=ops_cfg)
 
 
 @torch.no_grad()
@@ -50,6 +55,8 @@ def generate_rows(
     prompts: Sequence[Sequence[int]],
     row_keys: prng.Key,
     sampling: SamplingConfig,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
 ) -> Generation:
     """`generate` with one key per request given directly ([B, 2]): how a server that receives
     each request's key (as a sampling seed) reproduces what the caller would sample in-process."""
@@ -81,7 +88,7 @@ def generate_rows(
     cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
     causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
     mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
-    logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0)[:, -1]
+    logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg)[:, -1]
 
     # Every step's key, and its Gumbel noise in chunks of steps, in a few vectorised calls
     # instead of two Threefry evaluations (~200 small ops) per step: same values, since a
@@ -98,7 +105,8 @@ def generate_rows(
     for t in range(n_new):
         if sampling.temperature > 0 and t % chunk == 0:
             noise = prng.gumbel(step_keys[:, t : t + chunk], (vocab,))  # [B, chunk, V]
-        tok, lps = sample_with_noise(logits, None if noise is None else noise[:, t % chunk], sampling)
+        tok, _ = sample_with_noise(logits, None if noise is None else noise[:, t % chunk], sampling)
+        lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, ops_cfg)  # the trainer's op
         if sampling.stop_token_ids:
             live = ~done
             tok = torch.where(live, tok, 0)
@@ -114,7 +122,7 @@ def generate_rows(
         col = lp + t
         mask = key_valid[:, None, : col + 1]
         pos = (lens + t)[:, None]
-        logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col)[:, -1]
+        logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col, ops_cfg=ops_cfg)[:, -1]
 
     tokens, logprobs, reasons = [], [], []
     for i in range(b):

@@ -13,6 +13,7 @@ weight sync are renames, not transposes. Biases exist only when cfg.attention_bi
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import optree
@@ -78,10 +79,10 @@ def causal_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     One mechanism serves right-padding and packing several samples into a row.
     """
     t = segment_ids.shape[-1]
-    idx = torch.arange(t)
+    idx = torch.arange(t, device=segment_ids.device)
     causal = idx[None, :] <= idx[:, None]
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
-    return (causal & same) | torch.eye(t, dtype=torch.bool)
+    return (causal & same) | torch.eye(t, dtype=torch.bool, device=segment_ids.device)
 
 
 def new_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
@@ -98,13 +99,14 @@ def _block(
     mask: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor] | None,
     cache_start: int,
+    oc: ops.OpsConfig,
 ) -> torch.Tensor:
     b, t, _ = x.shape
     d = cfg.dim_head
-    h = ops.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = ops.linear(h, p["wq"], p.get("bq")).view(b, t, cfg.num_heads, d).transpose(1, 2)
-    k = ops.linear(h, p["wk"], p.get("bk")).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
-    v = ops.linear(h, p["wv"], p.get("bv")).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
+    h = ops.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, oc)
+    q = ops.linear(h, p["wq"], p.get("bq"), oc).view(b, t, cfg.num_heads, d).transpose(1, 2)
+    k = ops.linear(h, p["wk"], p.get("bk"), oc).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
+    v = ops.linear(h, p["wv"], p.get("bv"), oc).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
     if cache is not None:
         # The cache buffers are donated to this call (as JAX donates buffers): written in place.
@@ -112,21 +114,22 @@ def _block(
         ck[:, :, cache_start : cache_start + t] = k
         cv[:, :, cache_start : cache_start + t] = v
         k, v = ck[:, :, : cache_start + t], cv[:, :, : cache_start + t]
-    a = ops.attention(q, k, v, mask).transpose(1, 2).reshape(b, t, cfg.num_heads * d)
-    x = x + ops.linear(a, p["wo"])
-    h = ops.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = torch.nn.functional.silu(ops.linear(h, p["w_gate"]))
-    return x + ops.linear(gate * ops.linear(h, p["w_up"]), p["w_down"])
+    a = ops.attention(q, k, v, mask, oc).transpose(1, 2).reshape(b, t, cfg.num_heads * d)
+    x = x + ops.linear(a, p["wo"], None, oc)
+    h = ops.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, oc)
+    gate = ops.silu(ops.linear(h, p["w_gate"], None, oc), oc)
+    return x + ops.linear(gate * ops.linear(h, p["w_up"], None, oc), p["w_down"], None, oc)
 
 
 def _recomputed_block(
-    p: Params, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    p: Params, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    oc: ops.OpsConfig = ops.REFERENCE,
 ) -> torch.Tensor:
     """_block with activation recomputation: only the layer's input is kept for the backward pass."""
     names = sorted(p)
 
     def block(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return _block(dict(zip(names, weights, strict=True)), cfg, x, cos, sin, mask, None, 0)
+        return _block(dict(zip(names, weights, strict=True)), cfg, x, cos, sin, mask, None, 0, oc)
 
     return remat.recompute(block, x, *(p[n] for n in names))
 
@@ -139,13 +142,17 @@ def forward(
     mask: torch.Tensor,
     cache: KVCache | None = None,
     cache_start: int = 0,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
 ) -> torch.Tensor:
     """Logits [B, T, V] for tokens [B, T] at positions [B, T] under mask [B, T, S].
 
     Without a cache S = T; with one, keys are the cache's first cache_start + T columns.
     cfg.recompute recomputes each layer's activations in the backward pass (miles_fn.remat).
+    `ops_cfg` picks the kernels (ops.OpsConfig); ops_cfg.compile runs the forward under torch.compile.
     """
-    return _forward(params, cfg, tokens, positions, mask, cache, cache_start, keep=False)[0]
+    fn = _compiled_forward() if ops_cfg.compile else _forward
+    return fn(params, cfg, tokens, positions, mask, cache, cache_start, False, ops_cfg)[0]
 
 
 def forward_with_activations(
@@ -153,7 +160,7 @@ def forward_with_activations(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`forward` (the same ops in the same order, so the same logits bit for bit), also returning
     the residual stream by name: "embed", "layer_00", ..., "final_norm" (each [B, T, H]), for debugging."""
-    return _forward(params, cfg, tokens, positions, mask, None, 0, keep=True)
+    return _forward(params, cfg, tokens, positions, mask, None, 0, True, ops.REFERENCE)
 
 
 def _forward(
@@ -165,6 +172,7 @@ def _forward(
     cache: KVCache | None,
     cache_start: int,
     keep: bool,
+    oc: ops.OpsConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     acts: dict[str, torch.Tensor] = {}
     x = params["embed"][tokens]
@@ -173,15 +181,21 @@ def _forward(
     cos, sin = ops.rope_cos_sin(positions, cfg.dim_head, cfg.rope_theta)
     for i, layer in enumerate(params["layers"]):
         if cfg.recompute and cache is None and torch.is_grad_enabled():
-            x = _recomputed_block(layer, cfg, x, cos, sin, mask)
+            x = _recomputed_block(layer, cfg, x, cos, sin, mask, oc)
         else:
-            x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start)
+            x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start, oc)
         if keep:
             acts[f"layer_{i:02d}"] = x
-    x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, oc)
     if keep:
         acts["final_norm"] = x
-    return ops.linear(x, params.get("lm_head", params["embed"])), acts
+    return ops.linear(x, params.get("lm_head", params["embed"]), None, oc), acts
+
+
+@functools.cache
+def _compiled_forward():
+    """One torch.compile wrapper per process (a memo of a pure transformation, not state)."""
+    return torch.compile(_forward, dynamic=True)
 
 
 def sequence_logprobs(
@@ -191,10 +205,12 @@ def sequence_logprobs(
     positions: torch.Tensor,
     segment_ids: torch.Tensor,
     temperature: float = 1.0,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
 ) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1]."""
-    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))
-    return ops.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
+    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)
+    return ops.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature, ops_cfg)
 
 
 def sequence_logprobs_and_entropy(
@@ -204,10 +220,12 @@ def sequence_logprobs_and_entropy(
     positions: torch.Tensor,
     segment_ids: torch.Tensor,
     temperature: float = 1.0,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence_logprobs, full-vocabulary entropy of each next-token distribution), both [B, T-1], one forward."""
-    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids))[:, :-1]
-    return ops.token_logprobs(logits, tokens[:, 1:], temperature), ops.token_entropy(logits, temperature)
+    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)[:, :-1]
+    return ops.token_logprobs(logits, tokens[:, 1:], temperature, ops_cfg), ops.token_entropy(logits, temperature)
 
 
 def sequence_values(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from miles_fn import advantages as adv_lib
-from miles_fn import losses, model, optim, packing, prng, train
+from miles_fn import losses, model, offpolicy, optim, packing, prng, train
 from miles_fn.config import ModelConfig
 from state.train_state import ActorCriticState, RolloutBuffer, TrainState
 
@@ -130,7 +130,10 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig) -> train.Loss
         mask = batch.loss_mask
         norm = None if packed else normalizer(batch, cfg.loss_agg, cfg.max_response_len)
         per_tok, aux = pg(logp, batch.old_logprobs, batch.advantages, mask, clip)
-        aux = packing.token_share(aux, batch)  # a micro-batch reports its share of the whole batch's means
+        mismatch = offpolicy.mismatch_metrics(logp, batch.old_logprobs, mask)
+        worst = mismatch.pop("mismatch_max")  # *_max metrics combine across micro-batches by max, not sum
+        aux = packing.token_share({**aux, **mismatch}, batch)  # a micro-batch's share of the whole batch's means
+        aux["mismatch_max"] = worst
         loss = aggregate(per_tok, batch, cfg.loss_agg, norm)
         aux["pg_loss"] = loss.detach()
         if cfg.use_kl_loss and cfg.kl_coef > 0 and batch.ref_logprobs is not None:

@@ -14,7 +14,8 @@ import torch
 from optree import tree_flatten, tree_unflatten
 from torch.func import grad
 
-from miles_fn import losses, model, optim, packing, prng
+import ops
+from miles_fn import losses, model, offpolicy, optim, packing, prng
 from miles_fn.config import ModelConfig
 from miles_fn.packing import PackedBatch
 from state.train_state import RolloutBuffer, TrainState
@@ -90,7 +91,7 @@ def accumulate_gradients(
     log: Callable[[str], None] | None = None,
     use_autograd: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(sum of gradients, sum of losses, sum of aux, {"micro_batches", "oom_splits"}) over micro_batches."""
+    """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"})."""
     if not micro_batches:
         raise ValueError("train_step_accumulated needs at least one micro-batch")
     grads, loss, aux, done, splits = None, torch.zeros(()), {}, 0, 0
@@ -102,7 +103,8 @@ def accumulate_gradients(
             g, l_mb, a_mb = r
             grads = g if grads is None else tree_map(torch.add, grads, g)
             loss = loss + l_mb
-            aux = a_mb if not aux else {k: aux[k] + v for k, v in a_mb.items()}
+            aux = a_mb if not aux else {k: torch.maximum(aux[k], v) if k.endswith("_max") else aux[k] + v
+                                        for k, v in a_mb.items()}
             done += 1
     stats = {"micro_batches": torch.tensor(float(done)), "oom_splits": torch.tensor(float(splits))}
     return grads, loss, aux, stats
@@ -175,17 +177,33 @@ class PolicyLossConfig:
     temperature: float = 1.0
 
 
-def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
-    """PPO-clip on per-token advantages, token-mean, plus an optional k3 KL term to a reference."""
+def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE,
+                   offpolicy_cfg: offpolicy.OffPolicyConfig | None = None) -> LossFn:
+    """PPO-clip on per-token advantages, token-mean, plus an optional k3 KL term to a reference.
+
+    Logs the train/inference mismatch (miles_fn.offpolicy.mismatch_metrics) every step; with an
+    off-policy correction the per-token terms are importance-weighted and PPO's old policy is the
+    trainer's own (detached) log-prob rather than the engine's.
+    """
 
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # the policy loss draws no randomness
         logp = model.sequence_logprobs(
-            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature
+            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature, ops_cfg=ops_cfg
         )
-        per_tok, aux = losses.ppo_clip(logp, batch.old_logprobs, batch.advantages, batch.loss_mask,
+        correct = offpolicy_cfg is not None and offpolicy_cfg.correction != "none"
+        old = logp.detach() if correct else batch.old_logprobs
+        per_tok, aux = losses.ppo_clip(logp, old, batch.advantages, batch.loss_mask,
                                        cfg.eps_clip, cfg.eps_clip_high)
+        if correct:
+            w, is_aux = offpolicy.importance_weights(logp, batch.old_logprobs, batch.loss_mask, offpolicy_cfg)
+            per_tok = per_tok * w
+            aux.update(is_aux)
+        mismatch = offpolicy.mismatch_metrics(logp, batch.old_logprobs, batch.loss_mask)
+        worst = mismatch.pop("mismatch_max")  # *_max metrics combine across micro-batches by max, not sum
+        aux.update(mismatch)
         aux = packing.token_share(aux, batch)  # a micro-batch reports its share of the whole batch's means
+        aux["mismatch_max"] = worst
         loss = packing.aggregate(per_tok, batch, cfg.loss_agg)
         aux["pg_loss"] = loss.detach()
         if cfg.kl_coef > 0 and batch.ref_logprobs is not None:
@@ -202,12 +220,13 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig) -> LossFn:
     return loss_fn
 
 
-def make_sft_loss(model_cfg: ModelConfig) -> LossFn:
+def make_sft_loss(model_cfg: ModelConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> LossFn:
     """Token-mean cross-entropy on batch.loss_mask (any batch with tokens, positions, segment_ids, loss_mask)."""
 
     def loss_fn(params: Any, batch: Any, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key
-        logp = model.sequence_logprobs(params, model_cfg, batch.tokens, batch.positions, batch.segment_ids)
+        logp = model.sequence_logprobs(params, model_cfg, batch.tokens, batch.positions, batch.segment_ids,
+                                       ops_cfg=ops_cfg)
         return packing.aggregate(losses.sft_nll(logp), batch), {}
 
     return loss_fn

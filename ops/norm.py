@@ -1,12 +1,25 @@
-"""RMSNorm, computed in float32 as transformers' Qwen2/Llama do."""
+"""RMSNorm, computed in float32 as transformers' Qwen2/Llama do.
+
+Both implementations reduce along the row only; the invariant one makes the row
+contiguous first, so the reduction kernel sees the same length and stride for a row
+wherever it came from (a decode step's [B, 1, H] or a training batch's [N, T, H]).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ops.config import REFERENCE, OpsConfig
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cfg: OpsConfig = REFERENCE) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim."""
     dtype = x.dtype
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if cfg.invariant:
+        h = h.contiguous()
+        ms = (h * h).sum(-1, keepdim=True) / h.shape[-1]
+    else:
+        ms = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(ms + eps)
     return weight * h.to(dtype)

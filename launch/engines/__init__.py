@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Any
 
+import ops
 from launch.engines.base import Engine, EngineError
 from launch.engines.config import RolloutConfig
 from launch.engines.embedded import EmbeddedEngine
@@ -15,9 +16,9 @@ __all__ = ["Engine", "EngineError", "RolloutConfig", "make_engine"]
 
 
 def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int = 1,
-                version: int = 0) -> Engine:
+                version: int = 0, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> Engine:
     if rcfg.backend == "embedded":
-        return EmbeddedEngine(mcfg, params, version, rcfg.batch_size)
+        return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg)
     if rcfg.backend == "http":
         return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version)
     if rcfg.backend == "sglang":

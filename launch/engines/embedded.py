@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import ops
 from launch.engines.base import Request, Sample, chunked, seed_keys
 from miles_fn.config import ModelConfig
 from miles_fn.generate import generate_rows
@@ -18,11 +19,13 @@ class EmbeddedEngine:
     server-backed engine sends, so both give bitwise the same samples.
     """
 
-    def __init__(self, cfg: ModelConfig, params: Any, version: int = 0, batch_size: int = 0):
+    def __init__(self, cfg: ModelConfig, params: Any, version: int = 0, batch_size: int = 0,
+                 ops_cfg: ops.OpsConfig = ops.REFERENCE):
         self.cfg = cfg
         self.params = params
         self.version = version
         self.batch_size = batch_size
+        self.ops_cfg = ops_cfg  # the kernels; ops.INVARIANT makes its log-probs the trainer's bit for bit
 
     def update_weights(self, version: int, params: Any) -> None:
         self.params = params
@@ -31,7 +34,7 @@ class EmbeddedEngine:
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         out: list[Sample] = []
         for chunk in chunked(requests, self.batch_size):
-            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version))
+            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version, self.ops_cfg))
         return out
 
     def health(self) -> bool:
@@ -50,8 +53,9 @@ class EmbeddedEngine:
         pass
 
 
-def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling: SamplingConfig, version: int
-              ) -> list[Sample]:
+def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling: SamplingConfig, version: int,
+              ops_cfg: ops.OpsConfig = ops.REFERENCE) -> list[Sample]:
     """One chunk as one batch: what the embedded engine and the rollout server both run."""
-    gen = generate_rows(params, cfg, [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]), sampling)
+    gen = generate_rows(params, cfg, [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]), sampling,
+                        ops_cfg=ops_cfg)
     return [Sample(t, lp, f, version) for t, lp, f in zip(gen.tokens, gen.logprobs, gen.finish_reasons, strict=True)]

@@ -1,0 +1,67 @@
+"""Which implementation each op uses: one frozen config, passed explicitly from the caller to every op.
+
+    mode="reference"  plain torch (matmul, SDPA): fast, but a row's result depends on its batch.
+    mode="invariant"  batch-invariant: a row's result is a function of that row's inputs alone
+                      (not of how many rows share the call, padding, packing, or KV cache vs full
+                      sequence), so the rollout engine and the trainer compute bitwise equal numbers.
+
+Backends choose the kernels: attention_backend "torch" (SDPA, or the blocked invariant kernel),
+"flash_attn" (flash_attn_varlen_func), "flash_attn_3" (flash_attn_interface); gemm_backend
+"torch" or "deep_gemm" (FP8 block-scaled GEMM). GPU backends are imported through third_party.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("reference", "invariant")
+ATTENTION_BACKENDS = ("torch", "flash_attn", "flash_attn_3")
+GEMM_BACKENDS = ("torch", "deep_gemm")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpsConfig:
+    mode: str = "reference"
+    attention_backend: str = "torch"
+    gemm_backend: str = "torch"
+    compile: bool = False  # torch.compile the model forward
+    tile_rows: int = 64  # invariant linear: every GEMM call has exactly this many rows
+    kv_block: int = 1  # invariant attention: keys reduced in blocks of this many (1 = one at a time)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ops mode {self.mode!r} is not one of {MODES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm_backend {self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
+        if self.compile and self.invariant:
+            raise ValueError("compile=True cannot be combined with mode='invariant' (--compile with "
+                             "--true_on_policy): inductor re-fuses the reductions whose shapes and order the "
+                             "invariant kernels fix, so the engine and trainer would no longer agree bit for bit")
+        if self.tile_rows < 1 or self.kv_block < 1:
+            raise ValueError(f"tile_rows ({self.tile_rows}) and kv_block ({self.kv_block}) must be >= 1")
+
+    @property
+    def invariant(self) -> bool:
+        return self.mode == "invariant"
+
+
+REFERENCE = OpsConfig()
+INVARIANT = OpsConfig(mode="invariant")
+
+
+def require_backends(cfg: OpsConfig) -> None:
+    """Fail early, naming the missing package, when a chosen backend cannot run here."""
+    import third_party
+
+    needs = {"flash_attn": "flash_attn", "flash_attn_3": "flash_attn_3"}
+    if cfg.attention_backend in needs:
+        third_party.require(needs[cfg.attention_backend], f"--attention_backend={cfg.attention_backend}")
+    if cfg.gemm_backend == "deep_gemm":
+        third_party.require("deep_gemm", "--gemm_backend=deep_gemm")
+    if (cfg.attention_backend != "torch" or cfg.gemm_backend != "torch") and not third_party.cuda_available():
+        raise third_party.MissingPackageError(
+            f"--attention_backend={cfg.attention_backend} --gemm_backend={cfg.gemm_backend} need a CUDA device "
+            "(torch.cuda.is_available() is False); use the torch backends on CPU"
+        )
