@@ -69,6 +69,20 @@ def normalizer_for(mode: str, num_tokens: torch.Tensor | float, num_samples: tor
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) per token, with clip_frac and ratio_mean over the mask."""
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    with torch.no_grad():
+        denom = torch.clamp(mask.sum(), min=1.0)
+        clip_frac = _masked((clipped < unclipped).to(mask.dtype), mask).sum() / denom
+        ratio_mean = _masked(ratio, mask).sum() / denom
+    return loss, {"clip_frac": clip_frac, "ratio_mean": ratio_mean}
+
+
 def ppo_clip(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -82,17 +96,8 @@ def ppo_clip(
     rho = exp(logp - logp_old);  l = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
     Returns (per-token loss [N, T], {"clip_frac", "ratio_mean"} over masked tokens).
     """
-    eps_high = eps_low if eps_high is None else eps_high
-    log_ratio = _masked(logprobs - old_logprobs, mask)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        denom = torch.clamp(mask.sum(), min=1.0)
-        clip_frac = _masked((clipped < unclipped).to(mask.dtype), mask).sum() / denom
-        ratio_mean = _masked(ratio, mask).sum() / denom
-    return loss, {"clip_frac": clip_frac, "ratio_mean": ratio_mean}
+    ratio = torch.exp(_masked(logprobs - old_logprobs, mask))
+    return _clipped_surrogate(ratio, advantages, mask, eps_low, eps_low if eps_high is None else eps_high)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
@@ -149,20 +154,11 @@ def gspo(
     The value of s_{i,t} is s_i; its gradient is s_i grad logp_t (the GSPO-token form, which
     with a sequence-constant A equals GSPO's gradient). Aggregate with seq_mean_token_mean.
     """
-    eps_high = eps_low if eps_high is None else eps_high
     lp = _masked(logprobs, mask)
     log_ratio = _masked(logprobs - old_logprobs, mask)
     seq_log_ratio = log_ratio.sum(-1) / torch.clamp(mask.sum(-1), min=1.0)
-    log_s = seq_log_ratio.detach()[:, None] + lp - lp.detach()
-    ratio = torch.exp(log_s)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        denom = torch.clamp(mask.sum(), min=1.0)
-        clip_frac = _masked((clipped < unclipped).to(mask.dtype), mask).sum() / denom
-        ratio_mean = _masked(ratio, mask).sum() / denom
-    return loss, {"clip_frac": clip_frac, "ratio_mean": ratio_mean}
+    ratio = torch.exp(seq_log_ratio.detach()[:, None] + lp - lp.detach())
+    return _clipped_surrogate(ratio, advantages, mask, eps_low, eps_low if eps_high is None else eps_high)
 
 
 def policy_gradient(
