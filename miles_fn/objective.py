@@ -146,8 +146,6 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig) -> train.Loss
             aux["entropy"] = -bonus.detach()
         with torch.no_grad():
             aux["entropy_proxy"] = aggregate(-logp, batch, "token_mean")
-            # |trainer - engine| log-prob of the sampled tokens, before this step's update: the rollout mismatch.
-            aux["train_rollout_logprob_abs_diff"] = aggregate((logp - batch.old_logprobs).abs(), batch, "token_mean")
         return loss, aux
 
     return loss_fn

@@ -212,9 +212,6 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.O
             aux["kl"] = kl.detach()
         with torch.no_grad():
             aux["entropy_proxy"] = packing.aggregate(-logp, batch, "token_mean")
-            # |trainer - engine| log-prob of the sampled tokens, before this step's update: the rollout mismatch.
-            aux["train_rollout_logprob_abs_diff"] = packing.aggregate((logp - batch.old_logprobs).abs(), batch,
-                                                                      "token_mean")
         return loss, aux
 
     return loss_fn
