@@ -35,6 +35,23 @@ def metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 
+def start_server(tmp_path) -> tuple[ServerProcess, str]:
+    """A launch.rollout_server on a tiny random checkpoint (the run pushes its own weights before use)."""
+    from miles_fn import model, prng
+
+    task = AdditionTask(digits=2)
+    cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+                      max_position_embeddings=64)
+    hf.save_hf(str(tmp_path / "init"), cfg, model.init_params(cfg, prng.key(99), 0.02))
+
+    def command(port: int, first: bool) -> list[str]:
+        return [sys.executable, "-m", "launch.rollout_server", "--model-path", str(tmp_path / "init"),
+                "--port", str(port), "--num-threads", "1", "--watch-parent"]
+
+    server = ServerProcess(command, str(tmp_path / "server.log"), 120, cwd=ROOT)
+    return server, server.start()
+
+
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded")
@@ -42,19 +59,7 @@ def embedded(tmp_path_factory):
 
 
 def test_http_backend_against_a_server_the_test_started_matches_in_process(embedded, tmp_path):
-    task = AdditionTask(digits=2)
-    cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-                      max_position_embeddings=64)
-    from miles_fn import model, prng
-
-    hf.save_hf(str(tmp_path / "init"), cfg, model.init_params(cfg, prng.key(99), 0.02))  # weights get replaced
-
-    def command(port: int, first: bool) -> list[str]:
-        return [sys.executable, "-m", "launch.rollout_server", "--model-path", str(tmp_path / "init"),
-                "--port", str(port), "--num-threads", "1", "--watch-parent"]
-
-    server = ServerProcess(command, str(tmp_path / "server.log"), 120, cwd=ROOT)
-    url = server.start()
+    server, url = start_server(tmp_path)
     try:
         p = run_main(tmp_path / "run", "--rollout_backend=http", f"--rollout_url={url}")
     finally:
@@ -92,19 +97,7 @@ def test_server_that_cannot_come_back_stops_the_run_with_a_clear_error_and_train
 
 def test_sglang_backend_drives_an_sglang_compatible_server_through_disk_sync(tmp_path):
     """The SGLang backend's client (disk weight sync, 63-bit seeds) against launch.rollout_server."""
-    task = AdditionTask(digits=2)
-    cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-                      max_position_embeddings=64)
-    from miles_fn import model, prng
-
-    hf.save_hf(str(tmp_path / "init"), cfg, model.init_params(cfg, prng.key(99), 0.02))
-
-    def command(port: int, first: bool) -> list[str]:
-        return [sys.executable, "-m", "launch.rollout_server", "--model-path", str(tmp_path / "init"),
-                "--port", str(port), "--num-threads", "1", "--watch-parent"]
-
-    server = ServerProcess(command, str(tmp_path / "server.log"), 120, cwd=ROOT)
-    url = server.start()
+    server, url = start_server(tmp_path)
     try:
         p = run_main(tmp_path / "run", "--rollout_backend=sglang", f"--sglang_url={url}")
     finally:
