@@ -32,6 +32,10 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     lr(s) = lr * (s+1)/W                                  for s < W
           = min + (lr - min) * (1 + cos(pi * p)) / 2,      p = min(1, (s - W) / D)
     """
+    if step < cfg.schedule_start:
+        # Before its start a schedule has no value: warm-up would give a negative rate (or divide by zero).
+        raise ValueError(f"learning-rate schedule asked for optimizer step {step}, before its start at step "
+                         f"{cfg.schedule_start} (OptimConfig.schedule_start)")
     step = step - cfg.schedule_start
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

@@ -72,3 +72,10 @@ def test_warmup_cosine_schedule_values():
 def test_schedule_start_offsets_the_schedule():
     cfg = optim.OptimConfig(lr=1.0, warmup_steps=2, schedule_start=10)
     assert [optim.lr_at(cfg, s) for s in (10, 11, 12)] == [0.5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_schedule_refuses_steps_before_its_start(warmup):
+    cfg = optim.OptimConfig(lr=1.0, warmup_steps=warmup, schedule_start=10)
+    with pytest.raises(ValueError, match="before its start at step 10"):
+        optim.lr_at(cfg, 9)
