@@ -1,6 +1,7 @@
 """Packed against padded training throughput, and peak memory against the token budget, in one run.
 
     python -m bench.packing            # ~1-2 minutes on one CPU thread
+    python -m bench.packing --fixed_order   # --true_on_policy's gradient tiles against plain micro-batches
 
 A length-skewed batch (lengths log-uniform from 8 to 512, as RL responses are: many short, a
 few long), a tiny Qwen2-style model, and one GRPO gradient pass over the whole batch in
@@ -14,6 +15,11 @@ Peak memory (CPU, in a child process): the rise of the peak resident set (VmHWM,
 glibc's mmap threshold pinned at 64 KiB so freed tensors go back to the OS at once. It is RSS, so
 it includes allocator overhead. Three ways to the gradient: torch.func.grad, plain autograd, and
 plain autograd with --recompute; est is miles_fn.memory's estimate without and with recompute.
+
+--fixed_order: the invariant ops (--true_on_policy) on the skewed batch and on a default-job-like
+batch (512 samples of 9 to 12 tokens), one gradient pass: plain micro-batches of a budget against
+fixed gradient tiles (launch.memory.gradient_tiles' layout, train.accumulate_gradients with
+fixed_order=True), with whether the gradient's bits equal those of the budget that holds the batch.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import time
 
 import torch
 
+import ops
 from miles_fn import memory, model, packing, prng, train
 from miles_fn.config import ModelConfig
 from state.train_state import RolloutBuffer
+from state.tree import tree_leaves
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 N, MIN_LEN, MAX_LEN = 64, 8, 512
@@ -132,7 +140,56 @@ def peak_memory() -> None:
         print(f"| {budget} | {r} x {w} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
+def short_batch(n: int = 512, seed: int = 0) -> RolloutBuffer:
+    """n samples of 9 to 12 tokens (the default job's 2-digit additions: 7-token prompt, 2-5 token answer)."""
+    key = prng.key(seed)
+    lengths = 9 + (prng.uniform(prng.fold_in(key, 0), (n,), torch.float64) * 4).long()
+    t = 12
+    tokens = (prng.uniform(prng.fold_in(key, 1), (n, t), torch.float64) * (CFG.vocab_size - 1)).long() + 1
+    seg = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    positions = torch.clamp(torch.cumsum(seg, -1) - 1, min=0)
+    cols = torch.arange(t - 1)[None, :]
+    mask = ((cols >= 6) & (cols < lengths[:, None] - 1)).float()
+    adv = (prng.normal(prng.fold_in(key, 2), (n,), torch.float64).float())[:, None] * mask
+    old = -3.0 * prng.uniform(prng.fold_in(key, 3), (n, t - 1), torch.float64).float() * mask
+    return RolloutBuffer(tokens * seg, positions, seg, mask, old, adv, torch.zeros(n), torch.arange(n) // 8)
+
+
+def fixed_order(reps: int = 3) -> None:
+    """Seconds per gradient pass, plain micro-batches vs fixed tiles, and each against the one-micro-batch gradient."""
+    torch.set_num_threads(1)
+    params = model.init_params(CFG, prng.key(1))
+    loss_fn = train.make_grpo_loss(CFG, train.PolicyLossConfig(), ops.INVARIANT)
+    print("\nInvariant ops, one GRPO gradient pass, 1 thread (median of 3); diff = max |g - g_whole| / max |g_whole|"
+          " against the whole batch in one plain micro-batch")
+    print("| batch | layout | micro-batches | seconds | bitwise = whole | diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, buf in (("skewed 64 x 8..512", skewed_batch()), ("short 512 x 9..12", short_batch())):
+        lengths = packing.sample_lengths(buf.segment_ids)
+        whole = 2 * sum(lengths)
+        layouts = [(f"plain, budget {b}", packing.pack(buf, b), False) for b in (whole, 2048, 1024)]
+        layouts += [(f"tiles of {t}, any budget >= {t}", packing.pack(buf, t, max(lengths)), True)
+                    for t in (2048, 512)]
+        ref = None
+        for label, mbs, tiled in layouts:
+            times, g = [], None
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                g = train.accumulate_gradients(params, mbs, prng.key(0), loss_fn, fixed_order=tiled)[0]
+                times.append(time.perf_counter() - t0)
+            leaves = tree_leaves(g)
+            ref = leaves if ref is None else ref
+            same = all(torch.equal(x, y) for x, y in zip(leaves, ref, strict=True))
+            diff = max(float((x - y).abs().max()) / float(y.abs().max()) for x, y in zip(leaves, ref, strict=True))
+            print(f"| {name} | {label} | {len(mbs)} | {statistics.median(times):.3f} | {'yes' if same else 'no'} | "
+                  f"{diff:.1e} |")
+        sys.stdout.flush()
+
+
 def main() -> None:
+    if "--fixed_order" in sys.argv:
+        fixed_order()
+        return
     if "--memory" in sys.argv:
         peak_memory()
         return

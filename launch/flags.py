@@ -192,6 +192,9 @@ flags.DEFINE_enum("attention_backend", "torch", list(ops.config.ATTENTION_BACKEN
 flags.DEFINE_enum("gemm_backend", "torch", list(ops.config.GEMM_BACKENDS), "GEMM kernels: torch or deep_gemm (FP8).")
 flags.DEFINE_boolean("compile", False, "torch.compile the model forward (CPU and GPU).")
 flags.DEFINE_integer("invariant_tile_rows", 64, "Rows per GEMM call of the invariant linear.", lower_bound=1)
+flags.DEFINE_integer("invariant_grad_tile_tokens", 2048, "With --true_on_policy and --max_tokens_per_micro_batch: "
+                     "padded tokens per gradient tile, the fixed unit gradients are computed and summed in, so the "
+                     "update does not depend on the budget (which must hold one tile).", lower_bound=1)
 flags.DEFINE_integer("invariant_kv_block", 1, "Key positions per block of the invariant attention (1 = one at a "
                      "time: fastest for short sequences; 16+ for long ones).", lower_bound=1)
 flags.DEFINE_enum("offpolicy_correction", "none", ["none", "tis", "mis"],
@@ -371,6 +374,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             memory_margin_gb=f.memory_margin_gb,
             offload_train_state=f.offload_train_state,
             max_oom_splits=f.max_oom_splits,
+            grad_tile_tokens=f.invariant_grad_tile_tokens if f.true_on_policy else 0,
         ),
         rollout=rollout_config_from_flags(),
         profile_steps=parse_profile_steps(f.profile_steps),

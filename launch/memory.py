@@ -89,7 +89,10 @@ def train_update(
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The step's update: whole-batch when --max_tokens_per_micro_batch=0, else packed and accumulated.
 
-    With --recompute the gradient comes from plain autograd (train.loss_and_grad says why).
+    With --true_on_policy the micro-batches are the step's fixed gradient tiles (`gradient_tiles`),
+    so the update, loss and metrics are bitwise the same under any budget that holds a tile
+    (`token_budget` itself excepted). With --recompute the gradient comes from plain autograd
+    (train.loss_and_grad says why).
     """
     if not cfg.max_tokens_per_micro_batch:
         if cfg.recompute:
@@ -97,12 +100,43 @@ def train_update(
         return train.train_step(state, buf, key, loss_fn, optim_cfg)
     lengths = packing.sample_lengths(buf.segment_ids)
     budget, row_len = plan_budget(cfg, model_cfg, lengths, state_device(state))
-    micro_batches = packing.pack(buf, budget, row_len)
-    state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
-                                                  cfg.max_oom_splits, logging.warning, use_autograd=cfg.recompute)
+    if cfg.grad_tile_tokens:
+        micro_batches = gradient_tiles(cfg, buf, lengths, budget)
+        state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg, 0,
+                                                      logging.warning, use_autograd=cfg.recompute, fixed_order=True)
+    else:
+        micro_batches = packing.pack(buf, budget, row_len)
+        state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
+                                                      cfg.max_oom_splits, logging.warning, use_autograd=cfg.recompute)
     padded = sum(mb.tokens.numel() for mb in micro_batches)
     metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
     return state, metrics
+
+
+def gradient_tiles(
+    cfg: MemoryConfig, buf: RolloutBuffer, lengths: list[int], budget: int
+) -> list[packing.PackedBatch]:
+    """The step's fixed gradient tiles (--true_on_policy): micro-batches that do not depend on the budget.
+
+    Rows of --pack_row_len (default the longest sample) packed first-fit-decreasing, grouped
+    --invariant_grad_tile_tokens // row_len rows a tile: a function of the batch and those two flags
+    only. Each tile's gradient is then one fixed computation and train.train_step_accumulated folds
+    them in tile order, so any budget that holds the largest tile gives the same bits.
+    """
+    row_len = cfg.pack_row_len or max(lengths)
+    if row_len > cfg.grad_tile_tokens:
+        raise MemoryPlanError(f"--invariant_grad_tile_tokens={cfg.grad_tile_tokens} is less than one row of {row_len} "
+                              f"tokens (--pack_row_len, default the longest sample); raise it")
+    tiles = packing.pack(buf, cfg.grad_tile_tokens, row_len)
+    largest = max(t.tokens.numel() for t in tiles)
+    if largest > budget:
+        raise MemoryPlanError(
+            f"a gradient tile of {largest} padded tokens (--invariant_grad_tile_tokens={cfg.grad_tile_tokens}) does "
+            f"not fit the micro-batch budget of {budget} tokens (--max_tokens_per_micro_batch="
+            f"{cfg.max_tokens_per_micro_batch}, capped by free memory less --memory_margin_gb); with "
+            f"--true_on_policy tiles are never split: raise the budget or lower --invariant_grad_tile_tokens"
+        )
+    return tiles
 
 
 def training_model_config(cfg: MemoryConfig, model_cfg: ModelConfig) -> ModelConfig:

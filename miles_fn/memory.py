@@ -27,6 +27,9 @@ class MemoryConfig:
     memory_margin_gb: float = 0.0
     offload_train_state: bool = False
     max_oom_splits: int = 3
+    # --true_on_policy: padded tokens per fixed gradient tile (0 = off). Micro-batches are then these
+    # tiles, which do not depend on the token budget, so neither do the update's bits (launch.memory).
+    grad_tile_tokens: int = 0
 
 
 def activation_bytes_per_token(cfg: ModelConfig, row_len: int, recompute: bool, dtype_bytes: int = 4) -> int:

@@ -66,6 +66,7 @@ def train_step_accumulated(
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
     use_autograd: bool = False,
+    fixed_order: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One update from gradients summed over micro-batches: the same update as the whole batch at once.
 
@@ -75,9 +76,15 @@ def train_step_accumulated(
     two and retried, up to max_oom_splits times deep; each split is reported to `log` and counted
     in metrics["oom_splits"]. Summation runs in micro-batch order, so the result is deterministic.
     use_autograd: see `loss_and_grad`.
+
+    fixed_order=True (--true_on_policy) is for micro-batches that are the batch's fixed gradient
+    tiles (`packing.pack` with a tile size that does not depend on the token budget): gradients,
+    loss and metrics are a left fold acc = acc + g_tile in tile order, so the bits depend on the
+    tiles alone, and a tile is never split on OOM (a split would change the reduction, so the
+    error says to lower the tile size instead).
     """
     grads, loss, aux, stats = accumulate_gradients(state.params, micro_batches, key, loss_fn, max_oom_splits, log,
-                                                   use_autograd)
+                                                   use_autograd, fixed_order)
     state, metrics = apply_gradients(state, grads, loss, aux, optim_cfg)
     return state, {**metrics, **stats}
 
@@ -90,13 +97,18 @@ def accumulate_gradients(
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
     use_autograd: bool = False,
+    fixed_order: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"})."""
+    """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"}).
+
+    Every sum is one left fold over the micro-batches in order (acc = acc + x), threaded through
+    OOM halves too; fixed_order: see `train_step_accumulated`.
+    """
     if not micro_batches:
         raise ValueError("train_step_accumulated needs at least one micro-batch")
     grads, loss, aux, done, splits = None, torch.zeros(()), {}, 0, 0
     for mb in micro_batches:
-        for r in _micro_batch_grads(params, mb, key, loss_fn, use_autograd, 0, max_oom_splits, log):
+        for r in _micro_batch_grads(params, mb, key, loss_fn, use_autograd, 0, max_oom_splits, log, fixed_order):
             if r is None:
                 splits += 1
                 continue
@@ -119,12 +131,19 @@ def _micro_batch_grads(
     depth: int,
     max_oom_splits: int,
     log: Callable[[str], None] | None,
+    fixed_order: bool = False,
 ) -> Iterator[tuple[Any, torch.Tensor, dict[str, torch.Tensor]] | None]:
     """(grads, loss, aux) of mb, or after an out-of-memory error those of its halves (None marks a split)."""
     try:
         g, (loss, aux) = loss_and_grad(params, mb, key, loss_fn, use_autograd)
     except torch.OutOfMemoryError as e:
         n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
+        if fixed_order:
+            raise torch.OutOfMemoryError(
+                f"out of memory on a gradient tile of {n} samples, {mb.tokens.numel()} tokens: with "
+                f"--true_on_policy tiles are never split (a split would change the reduction order, and so the "
+                f"update's bits); lower --invariant_grad_tile_tokens: {e}"
+            ) from e
         if depth >= max_oom_splits or n < 2:
             raise torch.OutOfMemoryError(
                 f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "

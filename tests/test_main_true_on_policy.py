@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -54,3 +55,24 @@ def test_missing_gpu_backend_exits_naming_the_package(tmp_path, flag, package):
 def test_compile_with_true_on_policy_is_refused(tmp_path):
     p = run_main("--true_on_policy", "--compile", f"--output_dir={tmp_path}", timeout=60)
     assert p.returncode != 0 and "--compile" in p.stderr
+
+
+def parity_reward(sample) -> float:
+    """A reward that varies within a group from the first step (--custom_reward_fn), so gradients are non-zero."""
+    return float(sum(sample.response_ids) % 2)
+
+
+def test_true_on_policy_run_does_not_depend_on_the_token_budget(tmp_path):
+    """Same metrics (token_budget aside) and the same final state hash at budgets of 1 tile and of the whole batch."""
+    runs = {}
+    for budget in (48, 100000):
+        out = tmp_path / str(budget)
+        p = run_main("--true_on_policy", f"--max_tokens_per_micro_batch={budget}", "--invariant_grad_tile_tokens=48",
+                     "--custom_reward_fn=tests.test_main_true_on_policy:parity_reward", f"--output_dir={out}")
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(r.pop("token_budget") == budget for r in rows)
+        runs[budget] = rows, re.search(r"state_hash=(\w+)", p.stdout + p.stderr).group(1)
+    (small, h_small), (whole, h_whole) = runs[48], runs[100000]
+    assert all(r["micro_batches"] >= 3 for r in small) and any(r["grad_norm"] > 0 for r in small)
+    assert small == whole and h_small == h_whole

@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch.func import grad
 
+import ops
 from miles_fn import model, optim, packing, prng, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.config import ModelConfig
+from miles_fn.memory import MemoryConfig
 from state.train_state import RolloutBuffer
-from state.tree import tree_hash, tree_leaves
+from state.tree import tree_hash, tree_leaves, tree_map
 
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 LENGTHS = [3, 17, 5, 12, 2, 9, 1, 14, 6, 8]
@@ -304,3 +306,75 @@ def test_recompute_keeps_only_layer_inputs_for_backward(params):
     remat, g_remat = saved_bytes(dataclasses.replace(cfg, recompute=True))
     assert remat < 0.6 * full, (remat, full)
     assert_trees_close(g_remat, g_full, rel=1e-5)
+
+
+# Fixed-order accumulation (--true_on_policy): the update's bits do not depend on the token budget.
+
+TILE = 34  # --invariant_grad_tile_tokens: rows of 17 (the longest sample), 2 rows a tile, 3 tiles
+
+
+def invariant_update(params, budget: int, loss_fn=None, tile: int = TILE):
+    """launch.memory.train_update as the main loop runs it with --true_on_policy at this budget."""
+    from launch import memory as launch_memory
+
+    loss_fn = loss_fn or train.make_grpo_loss(CFG, train.PolicyLossConfig(kl_coef=0.1, eps_clip=0.1), ops.INVARIANT)
+    mcfg = MemoryConfig(max_tokens_per_micro_batch=budget, grad_tile_tokens=tile)
+    ocfg = optim.OptimConfig(lr=0.1, eps=1e-2, max_grad_norm=1.0, weight_decay=0.01)
+    return launch_memory.train_update(mcfg, CFG, train.init_state(params, prng.key(2)), make_buffer(), prng.key(3),
+                                      loss_fn, ocfg)
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
+        assert torch.equal(x, y), float((x.float() - y.float()).abs().max())
+
+
+def test_true_on_policy_update_is_bitwise_the_same_under_every_budget(params):
+    whole, m_whole = invariant_update(params, 10**6)  # every tile fits one micro-batch's budget
+    assert int(whole.step) == 1 and float(m_whole["grad_norm"]) > 1.0  # a real, clipped update
+    for budget in (TILE, 51, 2 * TILE + 1):  # one tile, 1.5 tiles, just over 2 tiles
+        s, m = invariant_update(params, budget)
+        assert_bitwise(s, whole)
+        assert m.keys() == m_whole.keys() and float(m["token_budget"]) == budget
+        for k in m_whole:
+            if k != "token_budget":
+                assert torch.equal(m[k], m_whole[k]), k
+
+
+def test_true_on_policy_tiles_give_the_float64_whole_batch_gradient(params):
+    """The tiled fold against an independent float64 whole-batch gradient (reference ops, right-padded)."""
+    buf = make_buffer()
+    pcfg = train.PolicyLossConfig(kl_coef=0.1, eps_clip=0.1)
+    f64 = lambda t: t.double() if t is not None and t.dtype.is_floating_point else t  # noqa: E731
+    p64, b64 = tree_map(f64, params), RolloutBuffer(*(f64(x) for x in buf))
+    ref_loss = train.make_grpo_loss(CFG, pcfg, ops.REFERENCE)
+    g64, (l64, _) = grad(lambda p: train._with_loss_aux(ref_loss(p, b64, prng.key(3))), has_aux=True)(p64)
+    inv_loss = train.make_grpo_loss(CFG, pcfg, ops.INVARIANT)
+    for tile in (17, TILE, 85):
+        tiles = packing.pack(buf, tile, 17)
+        g, loss, _, stats = train.accumulate_gradients(params, tiles, prng.key(3), inv_loss, fixed_order=True)
+        assert stats["micro_batches"] == len(tiles)
+        assert abs(float(loss) - float(l64)) <= 1e-5 * abs(float(l64))
+        assert_trees_close(tree_map(torch.Tensor.double, g), g64, rel=1e-5)
+
+
+def test_true_on_policy_never_splits_a_tile_on_oom(params):
+    inv_loss = train.make_grpo_loss(CFG, train.PolicyLossConfig(kl_coef=0.1, eps_clip=0.1), ops.INVARIANT)
+    whole, m_whole = invariant_update(params, 10**6)
+    # an OOM above 40 tokens: the plain path at budget 85 would halve its micro-batches; the tiles fit
+    s, m = invariant_update(params, 85, oom_above(40, inv_loss, seen := []))
+    assert sorted(seen) == list(range(len(LENGTHS))) and m["oom_splits"] == 0
+    assert_bitwise(s, whole)
+    assert torch.equal(m["loss"], m_whole["loss"]) and torch.equal(m["grad_norm"], m_whole["grad_norm"])
+    # an OOM on a tile itself is an error naming the tile size, not a split that would change the bits
+    with pytest.raises(torch.OutOfMemoryError, match="gradient tile of .* lower --invariant_grad_tile_tokens"):
+        invariant_update(params, 85, oom_above(20, inv_loss, []))
+
+
+def test_true_on_policy_tile_that_does_not_fit_the_budget_is_named(params):
+    from launch.memory import MemoryPlanError
+
+    with pytest.raises(MemoryPlanError, match=r"--invariant_grad_tile_tokens=34\) does not fit .* budget of 20 tokens"):
+        invariant_update(params, 20)
+    with pytest.raises(MemoryPlanError, match="--invariant_grad_tile_tokens=10 is less than one row of 17"):
+        invariant_update(params, 100, tile=10)
