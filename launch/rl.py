@@ -158,7 +158,7 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
         policy_loss = train.make_grpo_loss(model_cfg, cfg.loss, cfg.ops, cfg.offpolicy)  # the default job
     else:
         _check_packable(cfg)
-        policy_loss = objective.make_policy_loss(model_cfg, obj)
+        policy_loss = objective.make_policy_loss(model_cfg, obj, cfg.ops, cfg.offpolicy)
 
     def policy_update(state: Any, buf: RolloutBuffer, key: prng.Key):
         return launch_memory.train_update(cfg.memory, cfg.model, state, buf, key, policy_loss, cfg.optim)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import ops
 from miles_fn import advantages as adv_lib
 from miles_fn import losses, model, offpolicy, optim, packing, prng, train
 from miles_fn.config import ModelConfig
@@ -111,25 +112,34 @@ def with_advantages(batch: RolloutBuffer, cfg: ObjectiveConfig, values: torch.Te
     return batch._replace(advantages=adv, returns=ret, values=values.detach())
 
 
-def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig) -> train.LossFn:
+def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE,
+                     offpolicy_cfg: offpolicy.OffPolicyConfig | None = None) -> train.LossFn:
     """policy loss + kl_coef * KL(pi || ref) (when use_kl_loss) - entropy_coef * H, one aggregation for all.
 
-    With the default config this is exactly train.make_grpo_loss (same ops, same bits).
+    With the default config this is exactly train.make_grpo_loss (same ops, same bits). ops_cfg is
+    the trainer's kernels (ops.INVARIANT under --true_on_policy, so that the log-probs equal the
+    engine's); with an off-policy correction each token's term is importance-weighted and the
+    policy loss's old policy is the trainer's own detached log-prob, as in make_grpo_loss.
     """
     pg = losses.policy_loss(cfg.policy_loss)
     clip = cfg.clip
+    correct = offpolicy_cfg is not None and offpolicy_cfg.correction != "none"
 
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # no randomness in the loss
         args = (params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature)
         if cfg.entropy_coef > 0:
-            logp, entropy = model.sequence_logprobs_and_entropy(*args)
+            logp, entropy = model.sequence_logprobs_and_entropy(*args, ops_cfg=ops_cfg)
         else:
-            logp, entropy = model.sequence_logprobs(*args), None
+            logp, entropy = model.sequence_logprobs(*args, ops_cfg=ops_cfg), None
         packed = isinstance(batch, packing.PackedBatch)
         mask = batch.loss_mask
         norm = None if packed else normalizer(batch, cfg.loss_agg, cfg.max_response_len)
-        per_tok, aux = pg(logp, batch.old_logprobs, batch.advantages, mask, clip)
+        per_tok, aux = pg(logp, logp.detach() if correct else batch.old_logprobs, batch.advantages, mask, clip)
+        if correct:
+            w, is_aux = offpolicy.importance_weights(logp, batch.old_logprobs, mask, offpolicy_cfg)
+            per_tok = per_tok * w
+            aux.update(is_aux)
         mismatch = offpolicy.mismatch_metrics(logp, batch.old_logprobs, mask)
         worst = mismatch.pop("mismatch_max")  # *_max metrics combine across micro-batches by max, not sum
         aux = packing.token_share({**aux, **mismatch}, batch)  # a micro-batch's share of the whole batch's means
@@ -152,7 +162,10 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig) -> train.Loss
 
 
 def make_value_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig) -> train.LossFn:
-    """value_coef * token-mean clipped value loss of a value model (model.sequence_values) against batch.returns."""
+    """value_coef * token-mean clipped value loss of a value model (model.sequence_values) against batch.returns.
+
+    The critic runs the reference ops: no engine computes values, so there is nothing to match.
+    """
 
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key

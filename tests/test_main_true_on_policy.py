@@ -76,3 +76,10 @@ def test_true_on_policy_run_does_not_depend_on_the_token_budget(tmp_path):
     (small, h_small), (whole, h_whole) = runs[48], runs[100000]
     assert all(r["micro_batches"] >= 3 for r in small) and any(r["grad_norm"] > 0 for r in small)
     assert small == whole and h_small == h_whole
+
+
+def test_true_on_policy_holds_for_composed_objectives_too(tmp_path):
+    """The non-default objectives (objective.make_policy_loss) train on the invariant ops as well."""
+    p = run_main("--true_on_policy", "--policy_loss=dual_clip", "--entropy_coef=0.01", f"--output_dir={tmp_path}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert all(v == 0.0 for row in _mismatch(tmp_path) for v in row.values())

@@ -122,3 +122,21 @@ def test_packed_micro_batches_accumulate_to_the_whole_batch_gradient():
         assert torch.allclose(l_sum, l_full, atol=1e-6), agg
         for a, b in zip(tree_leaves(g_sum), tree_leaves(g_full), strict=True):
             assert torch.allclose(a, b, atol=1e-6), agg
+
+
+def test_composed_objective_with_tis_weights_each_token_by_the_capped_ratio():
+    """pg + TIS by hand in float64: loss = sum(-A * logp * min(exp(logp - logp_engine), cap) * mask) / sum(mask)."""
+    from miles_fn import offpolicy
+
+    params, buf = _params(), _buffer()
+    cap = 0.1  # the ratios on this batch are about 0.03 to 0.45
+    fn = objective.make_policy_loss(CFG, objective.ObjectiveConfig(policy_loss="pg"),
+                                    offpolicy_cfg=offpolicy.OffPolicyConfig(correction="tis", tis_cap=cap))
+    loss, aux = fn(params, buf, None)
+    logp = model.sequence_logprobs(params, CFG, buf.tokens, buf.positions, buf.segment_ids).double()
+    m = buf.loss_mask.double()
+    w = torch.clamp(torch.exp(logp - buf.old_logprobs.double()), max=cap) * m
+    want = (-buf.advantages.double() * logp * w * m).sum() / m.sum()
+    assert torch.allclose(loss.double(), want, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(aux["is_weight_mean"].double(), w.sum() / m.sum(), rtol=1e-5)
+    assert (w < cap).any() and (w[m > 0] == cap).any()  # the cap binds on some tokens and not on others
