@@ -43,7 +43,7 @@ class RolloutState:
         self.running.set()
         self.generate_calls = 0
         self.exit_after = exit_after  # fault injection for tests: die on this /generate call
-        self.groups: dict[str, Any] = {}  # weight-update groups by name (torch ProcessGroups)
+        self.groups: dict[str, Any] = {}  # name -> (ProcessGroup, receive device)
         self.groups_lock = threading.Lock()
         self.group_timeout_s = group_timeout_s
         self.group_fault = group_fault  # tests: "unreachable" or "crash_in_update:N"
@@ -98,7 +98,7 @@ class RolloutState:
         with self.groups_lock:
             if name in self.groups:
                 raise ValueError(f"group_name: a group {name!r} already exists")
-            self.groups[name] = None  # reserved while forming
+            self.groups[name] = (None, None)  # reserved while forming
         if self.group_fault == "unreachable":  # tests: dial a port where nobody listens, as a wrong address would
             from launch.engines.remote import free_port
 
@@ -111,7 +111,7 @@ class RolloutState:
             raise GroupFailure(f"group {name} at tcp://{addr}:{port} did not form: {type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
         with self.groups_lock:
-            self.groups[name] = pg
+            self.groups[name] = (pg, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))
         return {"success": True, "message": f"joined {name} as rank {rank} of {world} ({backend})"}
 
     def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -125,33 +125,35 @@ class RolloutState:
             raise ValueError("shapes: every shape must be a list of non-negative ints")
         version = _version(body)
         with self.groups_lock:
-            pg = self.groups.get(name)
+            pg, device = self.groups.get(name) or (None, None)
         if pg is None:
             raise ValueError(f"group_name: no weight-update group {name!r} (call /init_weights_update_group first)")
         empties = {n: torch.empty(s, dtype=weight_group.parse_dtype(d)) for n, d, s in zip(names, dtypes, shapes)}
         replace_named(self.cfg, self.params, empties)  # checks names, shapes and dtypes before receiving
+        bufs = [t.to(device) for t in empties.values()]  # nccl receives on the GPU
         self.distributed_updates += 1
         mode, _, n = self.group_fault.partition(":")
         try:
             if mode == "crash_in_update" and self.distributed_updates >= int(n):
-                weight_group.broadcast(pg, list(empties.values())[:1])
+                weight_group.broadcast(pg, bufs[:1])
                 os._exit(18)  # tests: dies mid-broadcast, one tensor in
-            weight_group.broadcast(pg, list(empties.values()))
+            weight_group.broadcast(pg, bufs)
         except Exception as e:  # the trainer went away or timed out: this group is done
             with self.groups_lock:
                 self.groups.pop(name, None)
             weight_group.destroy_group(pg)
             raise GroupFailure(f"group {name}: receiving the weights failed: {type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        received = {n: b.cpu() for n, b in zip(empties, bufs, strict=True)}
         with self.lock:
-            self.params = replace_named(self.cfg, self.params, empties)
+            self.params = replace_named(self.cfg, self.params, received)
             self.version = version
         return {"success": True, "message": f"received {len(names)} tensors as weight_version {version}"}
 
     def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name", "weight_update_group")
         with self.groups_lock:
-            pg = self.groups.pop(name, None)
+            pg, _ = self.groups.pop(name, None) or (None, None)
         if pg is None:
             raise ValueError(f"group_name: no weight-update group {name!r}")
         weight_group.destroy_group(pg)
