@@ -70,7 +70,8 @@ def init_group(backend: str, master_address: str, master_port: int, world_size: 
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    extra = {"master_listen_fd": listen.fileno(), "use_libuv": True} if listen is not None else {}
+    # the store takes the descriptor over (and closes it when it goes): detach it from the Python socket
+    extra = {"master_listen_fd": listen.detach(), "use_libuv": True} if listen is not None else {}
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False, **extra)
     store = PrefixStore(group_name, store)
@@ -168,7 +169,7 @@ class DistributedSync:
         try:
             _settle(reply, mine, self.timeout_s + GRACE_S)
         finally:
-            listen.close()  # the store holds its own descriptor
+            listen.close()  # a no-op once rank 0's store took the descriptor over
         server_err = _error(reply)
         my_err = _error(mine)
         if server_err is None and my_err is None:
