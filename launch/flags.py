@@ -11,6 +11,7 @@ import dataclasses
 from absl import flags
 
 import ops
+from launch import engines
 from launch.engines.config import RolloutConfig
 from launch.profiling import parse_profile_steps
 from launch.rl import RolloutShaping
@@ -133,7 +134,11 @@ flags.DEFINE_float("rollout_timeout_s", 120.0, "Seconds one engine call may take
 flags.DEFINE_integer("rollout_max_restarts", 3, "Server recoveries per batch before the run stops.", lower_bound=0)
 flags.DEFINE_float("rollout_backoff_s", 0.5, "First wait before a recovery attempt; doubles per attempt.",
                    lower_bound=0.0)
-flags.DEFINE_enum("rollout_weight_sync", "tensor", ["tensor", "disk"], "http backend: weights by request body or file.")
+flags.DEFINE_enum("rollout_weight_sync", "tensor", ["tensor", "disk", "distributed"],
+                  "Weights to the server by request body (http), checkpoint file, or broadcast over a "
+                  "torch.distributed group (NCCL on CUDA, gloo on CPU; http and sglang).")
+flags.DEFINE_string("rollout_weight_group_host", "127.0.0.1", "distributed sync: the trainer's address that the "
+                    "server dials to join the weight-update group (the trainer listens on it only).")
 flags.DEFINE_integer("sglang_tp_size", 1, "sglang: --tp-size of a started server.", lower_bound=1)
 flags.DEFINE_float("sglang_mem_fraction_static", 0.7, "sglang: --mem-fraction-static of a started server.",
                    lower_bound=0.05, upper_bound=0.99)
@@ -141,7 +146,8 @@ flags.DEFINE_boolean("true_on_policy", False, "Engine and trainer run the batch-
                      "embedded engine's log-probs equal the trainer's bit for bit; sglang: start it with "
                      "--enable-deterministic-inference.")
 flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
-                    "(the started server dies on /generate call N; see launch/engines/__init__.py).")
+                    "(the started server dies on /generate call N), crash_in_sync:N (inside its Nth distributed "
+                    "weight update) or group_unreachable; see launch/engines/__init__.py.")
 flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
 flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
 flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function stops the run, or scores 0.")
@@ -155,10 +161,8 @@ flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k sam
 flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
 flags.DEFINE_string("load_rollouts", "", "Train from buffers saved by --save_rollouts in DIR (no rollout).")
 flags.register_validator(
-    "debug_rollout_server_fault",
-    lambda v: not v or (v.partition(":")[0] in ("crash_once", "crash_always", "crash_permanent")
-                        and v.partition(":")[2].isdigit()),
-    "--debug_rollout_server_fault must be crash_once:N, crash_always:N or crash_permanent:N",
+    "debug_rollout_server_fault", lambda v: not v or engines.valid_fault(v),
+    f"--debug_rollout_server_fault must be {engines.FAULTS}",
 )
 # Algorithm library (miles_fn.advantages / losses / objective / dapo; launch/flags/*.flags show combinations)
 flags.DEFINE_enum("advantage_estimator", "grpo", sorted(ESTIMATORS),
@@ -426,6 +430,7 @@ def rollout_config_from_flags() -> RolloutConfig:
         max_restarts=f.rollout_max_restarts,
         backoff_s=f.rollout_backoff_s,
         weight_sync=f.rollout_weight_sync,
+        weight_group_host=f.rollout_weight_group_host,
         tp_size=f.sglang_tp_size,
         mem_fraction_static=f.sglang_mem_fraction_static,
         true_on_policy=f.true_on_policy,

@@ -1,7 +1,7 @@
 """The algorithm side of the loop: which objective, how a step's groups are sampled, how the state updates.
 
-main.py asks this module three things: `collect` (prompts -> responses -> rewards, with
-DAPO's dynamic sampling and overlong shaping when asked), `finish` (critic values and
+main.py asks this module three things: `collect` (prompts -> responses -> rewards through
+launch.rollout.collect, with DAPO's dynamic sampling and overlong shaping when asked), `finish` (critic values and
 advantages on the packed buffer) and `make_update` (the pure update of the run's state).
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from launch import memory as launch_memory
-from launch.engines.base import generate_batch
+from launch import rollout
+from launch.engines.config import RolloutConfig
 from miles_fn import dapo, objective, prng, train
 from miles_fn import model as model_lib
 from miles_fn.config import ModelConfig
@@ -34,76 +35,33 @@ class RolloutShaping:
     critic_lr: float = 1e-3
 
 
-@dataclasses.dataclass
-class Collected:
-    prompts: list[list[int]]
-    responses: list[list[int]]
-    logprobs: list[list[float]]
-    finish_reasons: list[str]
-    rewards: list[float]
-    group_ids: list[int]
-    stats: dict[str, float]
+def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int, step: int = 0) -> rollout.Collected:
+    """One step's samples through launch.rollout.collect, with DAPO's dynamic sampling and overlong shaping.
 
-
-def _one_round(job: Any, data_key: prng.Key, gen_key: prng.Key) -> Collected:
-    cfg, task, g = job.cfg, job.task, job.cfg.group_size
-    pairs = task.sample_pairs(data_key, cfg.prompts_per_step)
-    prompts = [task.prompt_ids(*p) for p in pairs for _ in range(g)]
-    gen = generate_batch(job.engine, prompts, gen_key, cfg.sampling)
-    rewards = [task.reward(r, pairs[i // g]) for i, r in enumerate(gen.tokens)]
-    return Collected(prompts, gen.tokens, gen.logprobs, gen.finish_reasons, rewards,
-                     [i // g for i in range(len(prompts))], {})
-
-
-def _keep_groups(c: Collected, keep: list[int], first_id: int) -> Collected:
-    rows = [i for i, gid in enumerate(c.group_ids) if gid in set(keep)]  # keep's order is ascending
-    remap = {gid: first_id + j for j, gid in enumerate(keep)}
-    return Collected([c.prompts[i] for i in rows], [c.responses[i] for i in rows], [c.logprobs[i] for i in rows],
-                     [c.finish_reasons[i] for i in rows], [c.rewards[i] for i in rows],
-                     [remap[c.group_ids[i]] for i in rows], {})
-
-
-def _concat(a: Collected, b: Collected) -> Collected:
-    return Collected(a.prompts + b.prompts, a.responses + b.responses, a.logprobs + b.logprobs,
-                     a.finish_reasons + b.finish_reasons, a.rewards + b.rewards, a.group_ids + b.group_ids, {})
-
-
-def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int) -> Collected:
-    """One step's samples. Without dynamic sampling this is one round with the step's data and rollout keys.
-
-    With it (DAPO), groups whose task rewards are all equal are dropped and new prompts are
-    sampled (round r > 0 keys: fold_in(fold_in(key, K_DYNAMIC), r)) until prompts_per_step
-    groups are kept or dynamic_sampling_max_rounds rounds ran; the batch is then what was kept
-    (never empty: with nothing kept the last round is used as is, contributing zero advantage).
+    Dynamic sampling is that loop's GroupSelection without fill: groups whose rewards are all
+    equal are dropped and new prompts are drawn (round r > 0 keys: fold_in(fold_in(key, K_DYNAMIC),
+    r)) until prompts_per_step groups are kept or dynamic_sampling_max_rounds rounds ran; the batch
+    is then what was kept (never empty: with nothing kept, the last round as is, zero advantage).
     """
     cfg, shaping = job.cfg, job.cfg.shaping
-    first = _one_round(job, prng.fold_in(key, k_data), prng.fold_in(key, k_rollout))
-    out = first
-    if shaping.dynamic_sampling:
-        want, kept, last, rounds, seen = cfg.prompts_per_step, None, first, 0, 0
-        while rounds < shaping.dynamic_sampling_max_rounds and (kept is None or len(set(kept.group_ids)) < want):
-            if rounds > 0:
-                k = prng.fold_in(prng.fold_in(key, K_DYNAMIC), rounds)
-                last = _one_round(job, prng.fold_in(k, k_data), prng.fold_in(k, k_rollout))
-            rounds += 1
-            seen += cfg.prompts_per_step
-            ok = dapo.informative_groups(torch.tensor(last.rewards), torch.tensor(last.group_ids)).tolist()
-            have = 0 if kept is None else len(set(kept.group_ids))
-            keep = [gid for gid, good in enumerate(ok) if good][: want - have]
-            part = _keep_groups(last, keep, have)
-            kept = part if kept is None else _concat(kept, part)
-        n_kept = len(set(kept.group_ids)) if kept is not None else 0
-        out = dataclasses.replace(kept if n_kept else last, stats={
-            "ds_rounds": float(rounds), "ds_kept_groups": float(n_kept), "ds_kept_frac": n_kept / max(seen, 1),
-            "ds_batch_full": float(n_kept >= want)})
+    rcfg = getattr(cfg, "rollout", None) or RolloutConfig()
+
+    def round_keys(r: int) -> tuple[prng.Key, prng.Key]:
+        k = prng.fold_in(prng.fold_in(key, K_DYNAMIC), r)
+        return prng.fold_in(k, k_data), prng.fold_in(k, k_rollout)
+
+    selection = (rollout.GroupSelection(shaping.dynamic_sampling_max_rounds, fill=False) if shaping.dynamic_sampling
+                 else rollout.GroupSelection())
+    out = rollout.collect(job.engine, job.task, rcfg, cfg.sampling, prng.fold_in(key, k_data),
+                          prng.fold_in(key, k_rollout), getattr(getattr(job, "state", None), "key", key), step,
+                          cfg.prompts_per_step, cfg.group_size, selection, round_keys)
     if shaping.overlong_buffer > 0:
-        lengths = torch.tensor([len(r) for r in out.responses])
+        lengths = torch.tensor([len(r) for r in out.batch.tokens])
         pen = dapo.overlong_penalty(lengths, cfg.sampling.max_new_tokens, shaping.overlong_buffer,
                                     shaping.overlong_penalty_factor)
-        stats = {**out.stats, "overlong_penalty_mean": float(pen.mean()),
+        stats = {**(out.stats or {}), "overlong_penalty_mean": float(pen.mean()),
                  "task_reward_mean": sum(out.rewards) / len(out.rewards)}
-        out = dataclasses.replace(out, rewards=[r + p for r, p in zip(out.rewards, pen.tolist(), strict=True)],
-                                  stats=stats)
+        out = out._replace(rewards=[r + p for r, p in zip(out.rewards, pen.tolist(), strict=True)], stats=stats)
     return out
 
 
@@ -115,22 +73,23 @@ def shapes_rollouts(cfg: Any) -> bool:
 def dapo_rollout(job: Any, key: prng.Key, ref_params: Any, k_data: int, k_rollout: int
                  ) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
     """The step's buffer from `collect` (dynamic sampling, overlong shaping), reference log-probs, advantages."""
-    cfg = job.cfg
-    gen = collect(job, key, k_data, k_rollout)
-    buf = build_rollout_buffer(gen.prompts, gen.responses, gen.logprobs, gen.rewards, gen.group_ids,
-                               cfg.normalize_advantage_std)
+    cfg, g = job.cfg, job.cfg.group_size
+    col = collect(job, key, k_data, k_rollout, int(job.state.step) - cfg.sft_warmup_steps)
+    gen = col.batch
+    buf = build_rollout_buffer(col.prompts, gen.tokens, gen.logprobs, col.rewards,
+                               [i // g for i in range(len(col.prompts))], cfg.normalize_advantage_std, col.loss_masks)
     if ref_params is not None:
         with torch.no_grad():
             ref = model_lib.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
                                               cfg.loss.temperature)
         buf = buf._replace(ref_logprobs=ref)
     buf = finish(job, buf)
-    n = len(gen.responses)
+    n = len(gen.tokens)
     stats = {
         "reward_mean": buf.rewards.mean(),
-        "response_len": torch.tensor(sum(len(t) for t in gen.responses) / n),
+        "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
         "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
-        **{k: torch.tensor(v) for k, v in gen.stats.items()},
+        **{k: torch.tensor(v) for k, v in (col.stats or {}).items()},
     }
     return buf, stats
 

@@ -7,18 +7,21 @@ rewards come from the task, exact match against the dataset label, or `--custom_
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+import torch
 
 from launch import data, plugins
 from launch.data import DataError
 from launch.engines.base import Batch, Engine, generate_batch, make_requests
 from launch.engines.config import RolloutConfig
-from miles_fn import prng
+from miles_fn import dapo, prng
 from miles_fn.sampling import SamplingConfig
 
-__all__ = ["Collected", "DataError", "collect", "step_prompts"]
+__all__ = ["Collected", "DataError", "GroupSelection", "collect", "step_prompts"]
 
 DATA_ORDER_STREAM = 0xDA7A  # fold_in(root key, this): the key of the dataset's epoch orders
 
@@ -30,15 +33,36 @@ class Collected(NamedTuple):
     rewards: list[float]
     reward_errors: int
     informative_groups: int = 0  # groups whose rewards are not all equal (they carry a GRPO signal)
+    stats: dict[str, float] | None = None  # dynamic sampling's ds_* metrics (when GroupSelection.fill is off)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSelection:
+    """Which groups of samples a step trains on: one loop for --over_sampling and DAPO's --dynamic_sampling.
+
+    Each round draws ceil(prompts_per_step * over_sampling) prompts and keeps, in order, the groups
+    whose rewards differ (a constant group has zero GRPO advantage), until prompts_per_step are
+    kept or `rounds` rounds ran. After the last round, `fill` tops the batch up with that round's
+    constant groups, keeping its order (over-sampling); without it the step trains on what was kept,
+    or, with nothing kept, on the whole last round (DAPO: never an empty batch).
+    """
+
+    rounds: int = 1
+    fill: bool = True
 
 
 def select_groups(rewards: Sequence[float], group: int, keep: int) -> list[int]:
     """Indices of the `keep` groups to train on out of an over-sampled batch: groups whose rewards
     differ first (a constant group has zero GRPO advantage), then constant ones, each in order."""
-    n = len(rewards) // group
-    informative = [g for g in range(n) if len(set(rewards[g * group : (g + 1) * group])) > 1]
-    rest = [g for g in range(n) if g not in set(informative)]
+    informative = informative_group_ids(rewards, group)
+    rest = [g for g in range(len(rewards) // group) if g not in set(informative)]
     return sorted((informative + rest)[:keep])
+
+
+def informative_group_ids(rewards: Sequence[float], group: int) -> list[int]:
+    """Groups (consecutive runs of `group` samples) whose rewards are not all equal, in order."""
+    ids = torch.arange(len(rewards)) // group
+    return torch.nonzero(dapo.informative_groups(torch.tensor(rewards, dtype=torch.float64), ids)).flatten().tolist()
 
 
 def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: prng.Key, start: int, n: int
@@ -60,9 +84,61 @@ def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: p
 
 
 def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingConfig, data_key: prng.Key,
-            rollout_key: prng.Key, root_key: prng.Key, step: int, n_prompts: int, group: int) -> Collected:
+            rollout_key: prng.Key, root_key: prng.Key, step: int, n_prompts: int, group: int,
+            selection: GroupSelection = GroupSelection(),
+            round_keys: Callable[[int], tuple[prng.Key, prng.Key]] | None = None) -> Collected:
+    """One step's samples, n_prompts groups of `group` (fewer only under DAPO's selection, see GroupSelection).
+
+    Round 0 uses data_key and rollout_key; round r > 0 the keys round_keys(r). With --prompt_data,
+    round r of step s reads the dataset from (s * rounds + r) * prompts-per-round on.
+    """
     n_drawn = math.ceil(n_prompts * rcfg.over_sampling) if rcfg.over_sampling > 1 else n_prompts
-    base, labels = step_prompts(task, rcfg, data_key, root_key, step * n_drawn, n_drawn)
+    parts: list[tuple[Collected, list[int]]] = []  # (a round, the groups kept from it)
+    have = informative = rounds = 0
+    while True:
+        keys = (data_key, rollout_key) if rounds == 0 else round_keys(rounds)  # type: ignore[misc]
+        rnd = _round(engine, task, rcfg, sampling, *keys, root_key, (step * selection.rounds + rounds) * n_drawn,
+                     n_drawn, group)
+        rounds += 1
+        take = informative_group_ids(rnd.rewards, group)[: n_prompts - have]
+        informative += len(take)
+        done = have + len(take) >= n_prompts or rounds >= selection.rounds
+        if done and selection.fill:
+            take = select_groups(rnd.rewards, group, n_prompts - have)
+        have += len(take)
+        parts.append((rnd, take))
+        if done:
+            break
+    stats = None
+    if not selection.fill:
+        stats = {"ds_rounds": float(rounds), "ds_kept_groups": float(have), "ds_kept_frac": have / (rounds * n_drawn),
+                 "ds_batch_full": float(have >= n_prompts)}
+        if have == 0:
+            parts = [(rnd, list(range(n_drawn)))]
+    if len(parts) == 1 and parts[0][1] == list(range(n_drawn)):
+        return rnd._replace(informative_groups=informative, stats=stats)
+    picked = [_pick(c, [g * group + j for g in take for j in range(group)]) for c, take in parts]
+    return Collected(
+        [p for c in picked for p in c.prompts],
+        Batch(*([x for c in picked for x in getattr(c.batch, f)] for f in Batch._fields)),
+        None if rnd.loss_masks is None else [m for c in picked for m in c.loss_masks],  # type: ignore[union-attr]
+        [r for c in picked for r in c.rewards],
+        sum(c.reward_errors for c, _ in parts),
+        informative,
+        stats,
+    )
+
+
+def _pick(c: Collected, rows: list[int]) -> Collected:
+    pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+    return c._replace(prompts=pick(c.prompts), batch=Batch(*(pick(col) for col in c.batch)), rewards=pick(c.rewards),
+                      loss_masks=None if c.loss_masks is None else pick(c.loss_masks))
+
+
+def _round(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingConfig, data_key: prng.Key,
+           rollout_key: prng.Key, root_key: prng.Key, start: int, n: int, group: int) -> Collected:
+    """n prompts (dataset rows start.. with --prompt_data), `group` samples each, generated and scored."""
+    base, labels = step_prompts(task, rcfg, data_key, root_key, start, n)
     prompts = [p for p in base for _ in range(group)]
     sample_labels = [lab for lab in labels for _ in range(group)]
     masks = None
@@ -87,12 +163,4 @@ def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCo
                    for r, lab in zip(batch.tokens, sample_labels, strict=True)]
     else:
         rewards = [task.reward(r, lab) for r, lab in zip(batch.tokens, sample_labels, strict=True)]
-    groups = select_groups(rewards, group, n_prompts)
-    informative = sum(len(set(rewards[g * group : (g + 1) * group])) > 1 for g in groups)
-    if n_drawn == n_prompts:
-        return Collected(prompts, batch, masks, rewards, errors, informative)
-    idx = [g * group + j for g in groups for j in range(group)]
-    pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-    batch = Batch(*(pick(col) for col in batch))
-    return Collected(pick(prompts), batch, pick(masks) if masks is not None else None, pick(rewards), errors,
-                     informative)
+    return Collected(prompts, batch, masks, rewards, errors)

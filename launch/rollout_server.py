@@ -3,9 +3,11 @@
     python -m launch.rollout_server --model-path DIR --port 30000 [--host 127.0.0.1]
 
 DIR is a Hugging Face checkpoint (config.json + safetensors), as for `sglang.launch_server`.
-Endpoints and body shapes: launch/engines/sglang_api.py. Each /generate call runs as one batch
-(calls run one at a time), so a client that sends the same chunks gets the same bits as the
-in-process engine. Only stdlib http.server: no web framework, and no pickle anywhere.
+Endpoints and body shapes: launch/engines/sglang_api.py. Weights arrive by request body, from disk,
+or over a torch.distributed group the trainer hosts (/init_weights_update_group, then
+/update_weights_from_distributed while the trainer broadcasts; gloo here, as the server is CPU-only).
+Each /generate call runs as one batch (calls run one at a time), so a client that sends the same
+chunks gets the same bits as the in-process engine. Only stdlib http.server: no web framework, and no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from launch.engines import sglang_api
+from launch.engines import sglang_api, weight_group
 from launch.engines.base import Request
 from launch.engines.embedded import run_chunk
 from miles_fn.config import ModelConfig
@@ -33,13 +35,19 @@ MAX_BODY = 1 << 31
 class RolloutState:
     """The server's mutable state (weights, version, pause flag), guarded by one lock."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, version: int, exit_after: int = 0):
+    def __init__(self, cfg: ModelConfig, params: Any, version: int, exit_after: int = 0,
+                 group_timeout_s: float = 600.0, group_fault: str = ""):
         self.cfg, self.params, self.version = cfg, params, version
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.running.set()
         self.generate_calls = 0
         self.exit_after = exit_after  # fault injection for tests: die on this /generate call
+        self.groups: dict[str, Any] = {}  # name -> (ProcessGroup, receive device)
+        self.groups_lock = threading.Lock()
+        self.group_timeout_s = group_timeout_s
+        self.group_fault = group_fault  # tests: "unreachable" or "crash_in_update:N"
+        self.distributed_updates = 0
 
     def generate(self, body: dict[str, Any], probe: bool = False) -> list[dict[str, Any]]:
         prompts, seeds, sampling = sglang_api.parse_generate_body(body)
@@ -67,6 +75,90 @@ class RolloutState:
             self.version = version
         return {"success": True, "message": f"updated {len(named)} tensors to weight_version {version}"}
 
+    # --- weights over a torch.distributed group (launch/engines/weight_group.py) -----------------
+    def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's weight-update group as rank rank_offset (this server is one rank)."""
+        addr, port = body.get("master_address"), body.get("master_port")
+        rank, world, name = body.get("rank_offset"), body.get("world_size"), body.get("group_name")
+        backend = body.get("backend", "nccl")
+        if not isinstance(addr, str) or not addr:
+            raise ValueError("master_address: the trainer's address is required")
+        for field, v in (("master_port", port), ("rank_offset", rank), ("world_size", world)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{field}: a non-negative integer is required, got {v!r}")
+        if not 1 <= rank < world:
+            raise ValueError(f"rank_offset={rank}, world_size={world}: this server needs rank 1 <= rank_offset < "
+                             "world_size (rank 0 is the trainer)")
+        if not isinstance(name, str) or not name:
+            raise ValueError("group_name: a non-empty name is required")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: gloo or nccl, got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend: nccl needs CUDA and this server runs on CPU; use gloo")
+        with self.groups_lock:
+            if name in self.groups:
+                raise ValueError(f"group_name: a group {name!r} already exists")
+            self.groups[name] = (None, None)  # reserved while forming
+        if self.group_fault == "unreachable":  # tests: dial a port where nobody listens, as a wrong address would
+            from launch.engines.remote import free_port
+
+            port = free_port()
+        try:
+            pg = weight_group.init_group(backend, addr, port, world, rank, name, self.group_timeout_s)
+        except Exception as e:  # DistStoreError / RuntimeError: the trainer is not there, or timed out
+            with self.groups_lock:
+                self.groups.pop(name, None)
+            raise GroupFailure(f"group {name} at tcp://{addr}:{port} did not form: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        with self.groups_lock:
+            self.groups[name] = (pg, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))
+        return {"success": True, "message": f"joined {name} as rank {rank} of {world} ({backend})"}
+
+    def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Receive the announced tensors from rank 0, in order, then swap them in as one new version."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        name = body.get("group_name", "weight_update_group")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            raise ValueError("names, dtypes, shapes: three non-empty lists of the same length are required")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
+            raise ValueError("shapes: every shape must be a list of non-negative ints")
+        version = _version(body)
+        with self.groups_lock:
+            pg, device = self.groups.get(name) or (None, None)
+        if pg is None:
+            raise ValueError(f"group_name: no weight-update group {name!r} (call /init_weights_update_group first)")
+        empties = {n: torch.empty(s, dtype=weight_group.parse_dtype(d)) for n, d, s in zip(names, dtypes, shapes)}
+        replace_named(self.cfg, self.params, empties)  # checks names, shapes and dtypes before receiving
+        bufs = [t.to(device) for t in empties.values()]  # nccl receives on the GPU
+        self.distributed_updates += 1
+        mode, _, n = self.group_fault.partition(":")
+        try:
+            if mode == "crash_in_update" and self.distributed_updates >= int(n):
+                weight_group.broadcast(pg, bufs[:1])
+                os._exit(18)  # tests: dies mid-broadcast, one tensor in
+            weight_group.broadcast(pg, bufs)
+        except Exception as e:  # the trainer went away or timed out: this group is done
+            with self.groups_lock:
+                self.groups.pop(name, None)
+            weight_group.destroy_group(pg)
+            raise GroupFailure(f"group {name}: receiving the weights failed: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        received = {n: b.cpu() for n, b in zip(empties, bufs, strict=True)}
+        with self.lock:
+            self.params = replace_named(self.cfg, self.params, received)
+            self.version = version
+        return {"success": True, "message": f"received {len(names)} tensors as weight_version {version}"}
+
+    def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("group_name", "weight_update_group")
+        with self.groups_lock:
+            pg, _ = self.groups.pop(name, None) or (None, None)
+        if pg is None:
+            raise ValueError(f"group_name: no weight-update group {name!r}")
+        weight_group.destroy_group(pg)
+        return {"success": True, "message": f"left {name}"}
+
     def update_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
@@ -81,6 +173,10 @@ class RolloutState:
         with self.lock:
             self.params, self.version = params, version
         return {"success": True, "message": f"loaded {path} as weight_version {version}"}
+
+
+class GroupFailure(Exception):
+    """A weight-update group failed in transport (peer gone, timeout): answered with HTTP 500."""
 
 
 def _version(body: dict[str, Any]) -> int:
@@ -170,12 +266,17 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
                 if path == "/continue_generation":
                     state.running.set()
                     return self._send(200, {"success": True})
-                if path in ("/init_weights_update_group", "/update_weights_from_distributed"):
-                    return self._send(400, {"success": False, "message": f"{path}: needs NCCL and real SGLang; "
-                                            "this server syncs through /update_weights_from_tensor or _disk"})
+                if path == "/init_weights_update_group":
+                    return self._send(200, state.init_group(body))
+                if path == "/update_weights_from_distributed":
+                    return self._send(200, state.update_from_distributed(body))
+                if path == "/destroy_weights_update_group":
+                    return self._send(200, state.destroy_group(body))
                 return self._send(404, {"error": f"no endpoint {path}"})
             except ValueError as e:
                 return self._send(400, {"success": False, "message": str(e)})
+            except GroupFailure as e:
+                return self._send(500, {"success": False, "message": str(e)})
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             self._route("GET")
@@ -207,7 +308,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--watch-parent", action="store_true", help="exit when the parent process exits")
     p.add_argument("--debug-exit-after", type=int, default=0, help="tests: crash on the Nth /generate call")
+    p.add_argument("--weight-group-timeout-s", type=float, default=600.0,
+                   help="how long forming a weight-update group, or one broadcast over it, may take")
     p.add_argument("--debug-fail-start", action="store_true", help="tests: exit at once, as a broken server")
+    p.add_argument("--debug-group-fault", default="", help="tests: 'unreachable' (dial a dead port to join a "
+                   "weight-update group) or 'crash_in_update:N' (die inside the Nth distributed update)")
     return p.parse_args(argv)
 
 
@@ -226,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         version = int(args.weight_version)
     except (OSError, KeyError, ValueError) as e:
         sys.exit(f"error: --model-path={args.model_path}: {e}")
-    state = RolloutState(cfg, params, version, args.debug_exit_after)
+    state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
+                         args.debug_group_fault)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"rollout server listening on http://{args.host}:{server.server_address[1]}", flush=True)

@@ -55,7 +55,7 @@ def start_server(tmp_path) -> tuple[ServerProcess, str]:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded")
-    return summary(run_main(out)), metrics(out)
+    return summary(run_main(out)), metrics(out), (out / "metrics.jsonl").read_bytes()
 
 
 def test_http_backend_against_a_server_the_test_started_matches_in_process(embedded, tmp_path):
@@ -64,7 +64,7 @@ def test_http_backend_against_a_server_the_test_started_matches_in_process(embed
         p = run_main(tmp_path / "run", "--rollout_backend=http", f"--rollout_url={url}")
     finally:
         server.stop()
-    s, (ref_summary, ref_metrics) = summary(p), embedded
+    s, (ref_summary, ref_metrics) = summary(p), embedded[:2]
     assert s["state_hash"] == ref_summary["state_hash"]
     assert s["eval_success_final"] == ref_summary["eval_success_final"]
     assert metrics(tmp_path / "run") == ref_metrics
@@ -95,6 +95,23 @@ def test_server_that_cannot_come_back_stops_the_run_with_a_clear_error_and_train
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
 
 
+def test_distributed_weight_sync_over_a_gloo_group_matches_in_process(embedded, tmp_path):
+    """The trainer hosts a torch.distributed group on 127.0.0.1 and broadcasts every update into it."""
+    p = run_main(tmp_path, "--rollout_backend=http", "--rollout_weight_sync=distributed")
+    s, (ref_summary, _, ref_bytes) = summary(p), embedded
+    assert s["state_hash"] == ref_summary["state_hash"]
+    assert (tmp_path / "metrics.jsonl").read_bytes() == ref_bytes
+    assert all(0 <= r["mismatch_mean"] < 1e-4 for r in metrics(tmp_path))
+
+
+def test_weight_group_that_cannot_form_stops_the_run_naming_the_flags(tmp_path):
+    p = run_main(tmp_path, "--rollout_backend=http", "--rollout_weight_sync=distributed", "--rollout_timeout_s=2",
+                 "--rollout_max_restarts=1", "--debug_rollout_server_fault=group_unreachable")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "--rollout_weight_sync=distributed" in p.stderr and "--rollout_weight_group_host=127.0.0.1" in p.stderr
+    assert "did not come back after 1 attempts" in p.stderr and "rollout_server.log" in p.stderr
+
+
 def test_sglang_backend_drives_an_sglang_compatible_server_through_disk_sync(tmp_path):
     """The SGLang backend's client (disk weight sync, 63-bit seeds) against launch.rollout_server."""
     server, url = start_server(tmp_path)
@@ -105,6 +122,21 @@ def test_sglang_backend_drives_an_sglang_compatible_server_through_disk_sync(tmp
     summary(p)
     assert [r["weight_version"] for r in metrics(tmp_path / "run")] == [1, 2]
     assert sorted(os.listdir(tmp_path / "run" / "rollout_weights")) == ["v00000003"]  # older versions removed
+
+
+def test_sglang_backend_with_distributed_sync_joins_the_servers_group(tmp_path):
+    """The SGLang backend's group path (world 1 + tp_size, SGLang's request fields) against launch.rollout_server."""
+    server, url = start_server(tmp_path)
+    try:
+        p = run_main(tmp_path / "run", "--rollout_backend=sglang", f"--sglang_url={url}",
+                     "--rollout_weight_sync=distributed")
+    finally:
+        server.stop()
+    summary(p)
+    rows = metrics(tmp_path / "run")
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    assert all(0 <= r["mismatch_mean"] < 1e-4 for r in rows)  # the served weights are the trainer's
+    assert not (tmp_path / "run" / "rollout_weights").exists()  # nothing went through disk
 
 
 def test_sglang_backend_without_sglang_or_url_says_what_to_install(tmp_path):

@@ -28,15 +28,30 @@ def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir:
     raise ValueError(f"--rollout_backend={rcfg.backend}: expected embedded, http or sglang")
 
 
+FAULTS = "crash_once:N, crash_always:N, crash_permanent:N, crash_in_sync:N or group_unreachable"
+
+
+def valid_fault(fault: str) -> bool:
+    mode, _, n = fault.partition(":")
+    if mode == "group_unreachable":
+        return not n
+    return mode in ("crash_once", "crash_always", "crash_permanent", "crash_in_sync") and n.isdigit()
+
+
 def _fault_args(fault: str, first: bool) -> list[str]:
     """Fault injection for tests: the server crashes on its Nth /generate call; after that a
-    restarted server works (crash_once), crashes again (crash_always) or cannot start (crash_permanent)."""
+    restarted server works (crash_once), crashes again (crash_always) or cannot start (crash_permanent).
+    crash_in_sync:N: the first server dies inside its Nth distributed weight update (mid-broadcast);
+    group_unreachable: every server fails to reach the weight-update group."""
     if not fault:
         return []
+    if not valid_fault(fault):
+        raise ValueError(f"--debug_rollout_server_fault={fault}: expected {FAULTS}")
     mode, _, n = fault.partition(":")
-    if mode not in ("crash_once", "crash_always", "crash_permanent") or not n.isdigit():
-        raise ValueError(f"--debug_rollout_server_fault={fault}: expected crash_once:N, crash_always:N "
-                         "or crash_permanent:N")
+    if mode == "group_unreachable":
+        return ["--debug-group-fault", "unreachable"]
+    if mode == "crash_in_sync":
+        return ["--debug-group-fault", f"crash_in_update:{n}"] if first else []
     if first or mode == "crash_always":
         return ["--debug-exit-after", n]
     return ["--debug-fail-start"] if mode == "crash_permanent" else []
@@ -45,10 +60,14 @@ def _fault_args(fault: str, first: bool) -> list[str]:
 def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,
                  version: int) -> Engine:
     from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync, tensor_sync
+    from launch.engines.weight_group import DistributedSync
     from state import hf
 
     wdir = os.path.join(output_dir, "rollout_weights")
-    sync = disk_sync(mcfg, wdir) if rcfg.weight_sync == "disk" else tensor_sync(mcfg)
+    if rcfg.weight_sync == "distributed":
+        sync: Any = DistributedSync(mcfg, host=rcfg.weight_group_host, timeout_s=rcfg.timeout_s)
+    else:
+        sync = disk_sync(mcfg, wdir) if rcfg.weight_sync == "disk" else tensor_sync(mcfg)
     recovery = RecoveryPolicy(rcfg.max_restarts, rcfg.backoff_s, rcfg.start_timeout_s)
     common = dict(sync=sync, batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight,
                   recovery=recovery)
@@ -61,7 +80,8 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
     def command(port: int, first: bool) -> list[str]:
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
-                "--watch-parent", *_fault_args(rcfg.server_fault, first)]
+                "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent",
+                *_fault_args(rcfg.server_fault, first)]
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = ServerProcess(command, os.path.join(output_dir, "rollout_server.log"), rcfg.start_timeout_s, cwd=root)

@@ -16,11 +16,12 @@ class RolloutConfig:
     max_restarts: int = 3
     backoff_s: float = 0.5
     start_timeout_s: float = 120.0
-    weight_sync: str = "tensor"  # tensor | disk (sglang always syncs through disk here)
+    weight_sync: str = "tensor"  # tensor | disk | distributed (sglang: disk unless distributed)
+    weight_group_host: str = "127.0.0.1"  # distributed: where the trainer hosts the group's rendezvous
     tp_size: int = 1
     mem_fraction_static: float = 0.7
     true_on_policy: bool = False  # sglang: --enable-deterministic-inference
-    server_fault: str = ""  # tests only: "crash_once:N", "crash_always:N" or "crash_permanent:N"
+    server_fault: str = ""  # tests only: see launch.engines.FAULTS
     # What is rolled out and how it is scored (launch/rollout.py, launch/plugins.py, launch/data.py)
     custom_generate_fn: str = ""  # module:function
     custom_reward_fn: str = ""  # module:function

@@ -109,7 +109,8 @@ def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
 class RemoteEngine:
     """The engine interface over an SGLang-compatible server.
 
-    `sync(client, version, params)` pushes weights to the server (by tensor, disk or NCCL).
+    `sync(client, version, params)` pushes weights to the server (by tensor, disk or a process group);
+    a sync with state (weight_group.DistributedSync) has `reset(client)`, called on recovery and close.
     With `process`, this engine owns the server: it starts it now and restarts it on failure.
     """
 
@@ -189,6 +190,7 @@ class RemoteEngine:
                     old.close()
                 elif not self.client.health():
                     raise ServerDown(f"{self.client.url} does not answer /health")
+                self._reset_sync()  # a stateful sync (a weight-update group) starts afresh with this server
                 self.sync(self.client, self._version, self.params)
                 self.recoveries += 1
                 print(f"rollout: server down ({cause}); recovered at {self.client.url} with weight version "
@@ -198,6 +200,11 @@ class RemoteEngine:
                 last = e
         raise EngineError(f"rollout server {self.client.url} did not come back after {self.recovery.max_restarts} "
                           f"attempts with back-off (first error: {cause}; last: {last}){self._log_hint()}")
+
+    def _reset_sync(self) -> None:
+        reset = getattr(self.sync, "reset", None)
+        if reset is not None:
+            reset(self.client)
 
     def _log_hint(self) -> str:
         return f"; server log: {self.process.log_path}" if self.process is not None else ""
@@ -223,6 +230,7 @@ class RemoteEngine:
         self.client.flush_cache()
 
     def close(self) -> None:
+        self._reset_sync()
         self.client.close()
         if self.process is not None:
             self.process.stop()

@@ -12,7 +12,9 @@ rollout server (to answer like SGLang). Shapes follow SGLang's GenerateReqInput 
   POST /update_weights_from_disk {"model_path": str, "weight_version": str} -> {"success", "message"}
   POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
        "group_name", "backend"}; POST /update_weights_from_distributed {"names", "dtypes", "shapes",
-       "group_name", "flush_cache", "weight_version"}
+       "group_name", "flush_cache", "weight_version"} (dtypes spelled "float32", "bfloat16"; the tensors
+       then arrive by broadcast from rank 0, in that order); POST /destroy_weights_update_group
+       {"group_name"} (launch/engines/weight_group.py)
   POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info,
   POST /pause_generation {"mode": "abort"|"retract"|"in_place"}, POST /continue_generation
 

@@ -1,9 +1,11 @@
 """The SGLang backend: start `python -m sglang.launch_server` (or connect to --sglang_url) and drive it
 through its native API with the same client and recovery as the HTTP backend.
 
-Weights reach SGLang through /update_weights_from_disk (a Hugging Face checkpoint per version):
-its /update_weights_from_tensor payload is pickle-based, which this project never produces or
-reads; /update_weights_from_distributed (NCCL) is in the client for a multi-GPU trainer.
+Weights reach SGLang through /update_weights_from_disk (a Hugging Face checkpoint per version), or
+with --rollout_weight_sync=distributed through /init_weights_update_group and
+/update_weights_from_distributed: the trainer hosts a group of 1 + --sglang_tp_size ranks and
+broadcasts each update into it (NCCL when the weights are on CUDA; weight_group.py). Its
+/update_weights_from_tensor payload is pickle-based, which this project never produces or reads.
 sglang is imported only through third_party, and only to check that it is installed.
 """
 
@@ -18,6 +20,7 @@ from launch.engines.base import EngineError
 from launch.engines.config import RolloutConfig
 from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync
 from launch.engines.sglang_api import SEED_MASK_63
+from launch.engines.weight_group import DistributedSync
 from miles_fn.config import ModelConfig
 from state import hf
 
@@ -36,7 +39,12 @@ def launch_command(model_path: str, port: int, rcfg: RolloutConfig, version: int
 def make_sglang_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, version: int
                        ) -> RemoteEngine:
     wdir = os.path.join(output_dir, "rollout_weights")
-    common = dict(sync=disk_sync(mcfg, wdir), batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s,
+    if rcfg.weight_sync == "distributed":
+        sync: Any = DistributedSync(mcfg, host=rcfg.weight_group_host, timeout_s=rcfg.timeout_s,
+                                    server_ranks=rcfg.tp_size)
+    else:  # tensor (the default) means disk here: SGLang's tensor payload is pickle
+        sync = disk_sync(mcfg, wdir)
+    common = dict(sync=sync, batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s,
                   max_inflight=rcfg.max_inflight,
                   recovery=RecoveryPolicy(rcfg.max_restarts, rcfg.backoff_s, rcfg.start_timeout_s),
                   seed_mask=SEED_MASK_63)

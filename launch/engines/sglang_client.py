@@ -119,8 +119,8 @@ class SGLangClient:
     def continue_generation(self) -> None:
         self.call("POST", "/continue_generation", {})
 
-    def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.call("POST", path, body)
+    def _checked(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        reply = self.call("POST", path, body, timeout_s)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise EngineError(f"POST {self.url}{path}: {reply.get('message')}")
         return reply
@@ -133,14 +133,25 @@ class SGLangClient:
                       {"model_path": model_path, "weight_version": str(version), "flush_cache": True})
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: float | None = None) -> None:
+        """Ask the server to join a weight-update group (it blocks until the trainer, rank 0, joins too)."""
         self._checked("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: int, group_name: str = "weight_update_group") -> None:
-        """Announce a broadcast; the trainer then broadcasts the tensors over the NCCL group."""
+                                        version: int, group_name: str = "weight_update_group",
+                                        timeout_s: float | None = None) -> None:
+        """Announce a broadcast; the reply comes once the trainer has broadcast the tensors over the group."""
         self._checked("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True,
-            "weight_version": str(version)})
+            "weight_version": str(version)}, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str) -> bool:
+        """Best effort (the server may be gone): whether the server released the group."""
+        try:
+            self._checked("/destroy_weights_update_group", {"group_name": group_name}, timeout_s=5.0)
+            return True
+        except (ServerDown, EngineError):
+            return False
