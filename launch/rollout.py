@@ -96,3 +96,18 @@ def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCo
     batch = Batch(*(pick(col) for col in batch))
     return Collected(pick(prompts), batch, pick(masks) if masks is not None else None, pick(rewards), errors,
                      informative)
+
+
+def score(task: Any, rcfg: RolloutConfig, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+          labels: Sequence[Any]) -> tuple[list[float], int]:
+    """(rewards, reward errors) of finished samples, scored as `collect` scores them."""
+    tok = task.tokenizer
+    if rcfg.custom_reward_fn:
+        fn = plugins.load_function(rcfg.custom_reward_fn, "custom_reward_fn")
+        inputs = [plugins.RewardInput(i, list(p), list(r), tok.decode(list(p)), tok.decode(list(r)), lab)
+                  for i, (p, r, lab) in enumerate(zip(prompts, responses, labels, strict=True))]
+        return plugins.compute_rewards(fn, inputs, rcfg.reward_errors)
+    if rcfg.prompt_data:
+        return [float(tok.eos_id in r and tok.decode(list(r)).strip() == str(lab).strip())
+                for r, lab in zip(responses, labels, strict=True)], 0
+    return [task.reward(list(r), lab) for r, lab in zip(responses, labels, strict=True)], 0
