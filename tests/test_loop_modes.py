@@ -197,3 +197,175 @@ def test_prompt_data_goes_through_the_tokenizers_chat_template(tmp_path):
     for row, mask in zip(buf.tokens.tolist(), buf.loss_mask.tolist(), strict=True):
         resp = [t for t, m in zip(row[1:], mask, strict=True) if m]
         assert eos not in resp[:-1]
+
+
+# --- partial rollouts ------------------------------------------------------------------------------------------
+
+class CountingEngine:
+    """Prompt [L, id]: response token j is 10 + j, the L-th is EOS (2, "stop"); log-prob -(j + version / 100).
+    Records every request, so the test sees what a resumed sample is continued from."""
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def generate(self, requests, sampling):
+        from launch.engines.base import Sample
+
+        self.calls.append([(list(r.input_ids), r.seed, sampling.max_new_tokens) for r in requests])
+        out = []
+        for r in requests:
+            done, target = len(r.input_ids) - 2, r.input_ids[0]
+            toks = []
+            for j in range(done, min(done + sampling.max_new_tokens, target)):
+                toks.append(2 if j == target - 1 else 10 + j)
+            out.append(Sample(toks, [-(done + i + self.version / 100) for i in range(len(toks))],
+                              "stop" if toks and toks[-1] == 2 else "length", self.version))
+        return out
+
+
+class ListTask:
+    """Prompts [L, id] in a fixed order; reward 1 when the response stops."""
+
+    from miles_fn.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer()
+
+    def __init__(self, lengths):
+        self.lengths, self.next = list(lengths), 0
+
+    def sample_pairs(self, key, n):
+        out = [(self.lengths[self.next + i], self.next + i) for i in range(n)]
+        self.next += n
+        return out
+
+    def prompt_ids(self, length, i):
+        return [length, 20 + i]
+
+    def reward(self, response, pair):
+        return float(response[-1:] == [2])
+
+
+def test_partial_rollouts_stop_at_enough_groups_and_resume_the_rest_from_their_partial_response():
+    from launch import partial
+    from launch.engines.base import request_seed
+    from miles_fn import prng
+    from miles_fn.sampling import SamplingConfig
+
+    engine, task, pool = CountingEngine(), ListTask([2, 5, 3, 6]), partial.Pool()
+    rcfg = RolloutConfig(over_sampling=2.0)
+    sampling = SamplingConfig(max_new_tokens=6, stop_token_ids=(2,))
+    key = prng.key(0)
+
+    def step(s):
+        return partial.collect(pool, engine, task, rcfg, sampling, prng.fold_in(key, 2 * s),
+                               prng.fold_in(key, 2 * s + 1), key, 1, 1, 1)
+
+    # Step 1: prompts L=2 and L=5 in flight, one token a round; after round 2 the L=2 group is done.
+    col, last, stats = step(0)
+    assert col.prompts == [[2, 20]] and col.batch.tokens == [[10, 2]] and col.batch.finish_reasons == ["stop"]
+    assert stats == {"partial_rounds": 2.0, "partial_carried_groups": 1.0, "partial_resumed_frac": 0.0}
+    assert len(engine.calls) == 2 and [len(c) for c in engine.calls] == [2, 2]
+    carried = pool.groups[0].slots[0]
+    assert carried.prompt == [5, 21] and carried.tokens == [10, 11] and carried.finish == ""  # the partial response
+    # Step 2, after a weight update: the carried sample continues from prompt + partial response, first in line,
+    # with a seed that depends on how far it got; the new prompt (L=3) starts from scratch.
+    engine.version = 7
+    col, last, stats = step(1)
+    first_call = engine.calls[2]
+    assert first_call[0][0] == [5, 21, 10, 11] and first_call[1][0] == [3, 22]
+    assert first_call[0][1] == request_seed(prng.from_list(carried.key), 2)
+    # L=3 finishes in round 3 (3 tokens), L=5 too (2 + 3 tokens): both complete, the older one is trained.
+    assert col.prompts == [[5, 21]] and col.batch.tokens == [[10, 11, 12, 13, 2]]
+    assert col.batch.weight_versions == [0] and last == [7]  # generated across the update
+    assert col.batch.logprobs == [[-0.0, -1.0, -2.07, -3.07, -4.07]]  # each token's log-prob from its own weights
+    assert col.rewards == [1.0] and stats["partial_resumed_frac"] == 1.0
+    assert [s.tokens for g in pool.groups for s in g.slots] == [[10, 11, 2]]  # complete, trained next step
+
+
+PARTIAL = [*BASE, "--num_steps=4", "--sft_warmup_steps=60", "--sft_lr=5e-3", "--sft_batch_size=16",
+           "--max_new_tokens=8", "--partial_rollouts", "--over_sampling=2", "--partial_rollout_tokens=1"]
+
+
+def _model_cfg():
+    from miles_fn.config import ModelConfig
+    from miles_fn.tokenizer import CharTokenizer
+
+    return ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, model_type="qwen2", attention_bias=True,
+                       max_position_embeddings=64)
+
+
+def test_partial_rollouts_in_the_loop_record_versions_and_each_tokens_behaviour_logprob(tmp_path):
+    """(A warm-up makes response lengths vary, so groups finish in different rounds and some samples are
+    carried across weight updates.) Each token's engine log-prob is checked against the checkpointed
+    weights of the version that generated it."""
+    out = tmp_path / "p"
+    ok(run_main(out, *PARTIAL, f"--save_rollouts={out / 'r'}", "--save_every=1"))
+    rows = metrics(out)
+    cfg, spanning, checked, wrong = _model_cfg(), 0, 0, 0
+    params = lambda v: checkpoint.load(str(out / "checkpoints" / f"step_{v:08d}")).tree["state"].params  # noqa: E731
+    for s in range(1, 5):
+        tree = saved(out / "r", s)
+        buf, first, last = tree["buffer"], tree["stats"]["sample_version_first"], tree["stats"]["sample_version_last"]
+        trainer = 60 + s - 1
+        assert rows[s - 1]["staleness_mean"] == pytest.approx(float((trainer - first).double().mean()))
+        assert rows[s - 1]["staleness_max"] == float((trainer - first).max())
+        assert bool((first <= last).all()) and bool((last <= trainer).all())
+        for v in sorted(set(first.tolist()) | set(last.tolist())):
+            with torch.no_grad():
+                lp = model.sequence_logprobs(params(v), cfg, buf.tokens, buf.positions, buf.segment_ids)
+            for i in range(buf.tokens.shape[0]):
+                cols = buf.loss_mask[i].nonzero().flatten().tolist()
+                assert cols == list(range(cols[0], cols[0] + len(cols)))  # every response token is trained on
+                for c, ver in ((cols[0], int(first[i])), (cols[-1], int(last[i]))):
+                    if ver == v:
+                        assert abs(float(lp[i, c] - buf.old_logprobs[i, c])) < 1e-4
+                        checked += 1
+                if int(first[i]) == v < int(last[i]):  # the old weights do not explain the resumed tokens
+                    wrong += abs(float(lp[i, cols[-1]] - buf.old_logprobs[i, cols[-1]])) > 1e-3
+        spanning += int((first < last).sum())
+    assert spanning > 0 and checked > 0 and wrong > 0
+    assert any(r["partial_resumed_frac"] > 0 for r in rows)
+
+
+def test_rollout_server_aborts_waiting_requests_like_sglang():
+    """/abort_request by rid and /pause_generation mode "abort": the waiting call comes back with finish_reason
+    "abort" and no tokens; a later call is served normally."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from launch import rollout_server
+    from launch.engines.sglang_client import SGLangClient
+    from miles_fn import prng
+    from miles_fn.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                      max_position_embeddings=64)
+    state = rollout_server.RolloutState(cfg, model.init_params(cfg, prng.key(0), 0.3), 5)
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), rollout_server.make_handler(state))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=30)
+    body = {"input_ids": [[1, 2, 3], [1, 4]], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 7},
+            "rid": ["a", "b"]}
+    try:
+        for abort in (lambda: client.abort_request("b"), lambda: client.pause_generation("abort")):
+            client.pause_generation("in_place")
+            replies = []
+            t = threading.Thread(target=lambda out=replies: out.append(client.call("POST", "/generate", body)))
+            t.start()
+            while not state.waiting:  # the call is parked behind the pause
+                t.join(0.01)
+            client.abort_request("no-such-rid")  # unknown: a no-op
+            assert state.waiting and not state.aborted
+            abort()
+            t.join(30)
+            assert [r["meta_info"]["finish_reason"]["type"] for r in replies[0]] == ["abort", "abort"]
+            assert all(r["output_ids"] == [] for r in replies[0])
+            client.continue_generation()
+        out = client.call("POST", "/generate", body)
+        assert [r["meta_info"]["finish_reason"]["type"] in ("stop", "length") for r in out] == [True, True]
+        assert [len(r["output_ids"]) for r in out] != [0, 0] and out[0]["meta_info"]["weight_version"] == "5"
+    finally:
+        client.close()
+        srv.shutdown()
+        srv.server_close()
