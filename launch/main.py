@@ -62,6 +62,7 @@ class Job:
     saved_step: int = -1  # state.step of the last checkpoint written or resumed from
     rollout_task: Any = None  # what rollouts draw prompts from: the task, or --prompt_data's tokenizer
     pool: partial.Pool | None = None  # --partial_rollouts: the unfinished groups carried between steps
+    ahead_rollout: Any = None  # --async_rollout: (buffer, stats) of the next step, generated ahead
 
 
 class NoEngine:
@@ -238,7 +239,13 @@ def save_checkpoint(job: Job) -> None:
     if int(job.state.step) == job.saved_step:
         return
     block = lambda: debug.block_at(job.cfg.repro.debug_block_at, "checkpoint_write", int(job.state.step))
-    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block)
+    extra: dict[str, Any] = {}
+    if job.pool is not None:
+        extra["partial_pool"] = partial.to_tree(job.pool)
+    if job.ahead_rollout is not None:
+        extra["ahead_rollout"] = {"buffer": job.ahead_rollout[0], "stats": dict(job.ahead_rollout[1])}
+    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block,
+                extra)
     job.saved_step = int(job.state.step)
 
 
@@ -246,6 +253,10 @@ def restore(job: Job) -> None:
     """Continue from the latest checkpoint (--resume): state, KL reference, cursor, engine weights."""
     r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
     job.state, job.ref_params, job.cursor, job.saved_step = r.state, r.ref_params, r.cursor, int(r.state.step)
+    if job.pool is not None and "partial_pool" in r.extra:
+        job.pool = partial.from_tree(r.extra["partial_pool"])
+    if "ahead_rollout" in r.extra:
+        job.ahead_rollout = (r.extra["ahead_rollout"]["buffer"], r.extra["ahead_rollout"]["stats"])
     job.engine.update_weights(int(job.state.step), job.state.params)
     sys.stderr.write(f"resumed from {r.path}: {job.cursor.sft_step} SFT and {job.cursor.rl_step} RL steps done\n")
 
@@ -290,11 +301,15 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     t_rl = time.time()
     rollout_only, ahead = cfg.modes.debug_rollout_only, None
     executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if cfg.modes.async_rollout else None
+    if job.ahead_rollout is not None:  # resumed: the checkpoint carried the rollout generated ahead
+        ahead = (futures.Future(), profiling.PhaseTimer())
+        ahead[0].set_result(job.ahead_rollout)
     for step in range(cur.rl_step, cfg.num_steps):
         profiler.begin(step + 1)
         key = prng.fold_in(job.state.key, step)
         if ahead is not None:  # --async_rollout: generated during the previous step's update
-            (buf, stats), timer, ahead = ahead[0].result(), ahead[1], None
+            (buf, stats), timer, ahead, job.ahead_rollout = ahead[0].result(), ahead[1], None, None
+            stats = dict(stats)
         else:
             timer = profiling.PhaseTimer()
             with launch_memory.offloaded(job, cfg.memory.offload_train_state):
@@ -305,9 +320,10 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         if rollout_only:  # --debug_rollout_only: no update, no weight sync, no checkpoint
             metrics = to_floats(stats)
         else:
-            if executor is not None and step + 1 < cfg.num_steps:
+            if executor is not None:
                 # Step k+1's rollout, from the weights before step k's update (the engine's until the sync
-                # below, which waits for it): the step's samples are set by version, never by timing.
+                # below, which waits for it): the step's samples are set by version, never by timing. The
+                # last step generates one too: the checkpoint carries it, so a longer resumed run is exact.
                 nxt = profiling.PhaseTimer()
                 ahead = (executor.submit(rollout, dataclasses.replace(job), prng.fold_in(job.state.key, step + 1),
                                          job.ref_params, nxt, step + 2), nxt)
@@ -317,7 +333,7 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
             with timer("train"):
                 job.state, metrics = guard("rl", step + 1, job.state, buf, prng.fold_in(key, K_TRAIN))
             if ahead is not None:
-                futures.wait([ahead[0]])
+                job.ahead_rollout = ahead[0].result()
             with timer("weight_sync"):
                 job.engine.update_weights(int(job.state.step), job.state.params)
             metrics = to_floats({**stats, **metrics})

@@ -55,10 +55,6 @@ def check(cfg: Any) -> None:
         if cfg.memory.offload_train_state:
             raise ValueError("--async_rollout trains while the engine generates, so the train state cannot be "
                              "parked on the host: drop --offload_train_state or --async_rollout")
-        if cfg.repro.resume:
-            raise ValueError("--resume with --async_rollout: a checkpoint does not hold the rollout generated ahead "
-                             "with the previous weights, so the resumed run would differ; start a new --output_dir, "
-                             "or run without --async_rollout")
     if m.partial_rollouts:
         if r.over_sampling <= 1.0:
             raise ValueError("--partial_rollouts carries unfinished samples over when a step has enough finished "
@@ -73,7 +69,3 @@ def check(cfg: Any) -> None:
         if cfg.shaping.dynamic_sampling or cfg.shaping.overlong_buffer:
             raise ValueError("--partial_rollouts is a form of --over_sampling and cannot be combined with "
                              "--dynamic_sampling or --overlong_buffer yet")
-        if cfg.repro.resume:
-            raise ValueError("--resume with --partial_rollouts: the checkpoint does not hold the unfinished samples "
-                             "carried between steps, so the resumed run would differ; start a new --output_dir, or "
-                             "run without --partial_rollouts")

@@ -122,3 +122,13 @@ def collect(pool: Pool, engine: Engine, task: Any, rcfg: RolloutConfig, sampling
     pool.step += 1
     col = rollout_lib.Collected(prompts, batch, None, rewards, errors, informative)
     return col, [s.versions[-1] for s in slots], stats
+
+
+def to_tree(pool: Pool) -> dict[str, Any]:
+    """The pool as a checkpointable tree (lists, tuples and scalars; labels keep their types)."""
+    return dataclasses.asdict(pool)
+
+
+def from_tree(tree: dict[str, Any]) -> Pool:
+    groups = [Group([Slot(**s) for s in g["slots"]]) for g in tree["groups"]]
+    return Pool(groups, int(tree["drawn"]), int(tree["step"]))
