@@ -145,7 +145,8 @@ def _tiny_chat_tokenizer(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = ["<unk>", "<s>", "</s>", "u", "a", ":", "|", "h", "i", "o", "1", "2", "+", "="]
+    # EOS is id 13 (not the character tokenizer's 2), so the test sees which one stops generation.
+    chars = ["<unk>", "u", "a", ":", "|", "h", "i", "o", "1", "2", "+", "=", "<s>", "</s>"]
     vocab = {c: i for i, c in enumerate(chars)}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -193,14 +194,17 @@ def test_prompt_data_goes_through_the_tokenizers_chat_template(tmp_path):
     hf.save_hf(str(ckpt), cfg, model.init_params(cfg, prng.key(3), 0.02))
     tok.save_pretrained(ckpt)
     out2 = tmp_path / "run2"
-    ok(run_main(out2, *args, f"--hf_checkpoint={ckpt}", f"--save_rollouts={out2 / 'r'}"))
+    ok(run_main(out2, *args, f"--hf_checkpoint={ckpt}", f"--save_rollouts={out2 / 'r'}", "--group_size=8",
+                "--max_new_tokens=24"))
     buf = saved(out2 / "r", 1)["buffer"]
     assert sorted({tuple(p) for p in _engine_prompts(buf)}) == [tuple(e) for e in expected]
-    # The tokenizer's EOS stops generation: a response never runs past it.
+    # The tokenizer's EOS (13) stops generation; the character tokenizer's (2) is an ordinary token here.
     eos = ref_tok.eos_token_id
-    for row, mask in zip(buf.tokens.tolist(), buf.loss_mask.tolist(), strict=True):
-        resp = [t for t, m in zip(row[1:], mask, strict=True) if m]
-        assert eos not in resp[:-1]
+    assert eos == 13
+    responses = [[t for t, m in zip(row[1:], mask, strict=True) if m]
+                 for row, mask in zip(buf.tokens.tolist(), buf.loss_mask.tolist(), strict=True)]
+    assert all(eos not in r[:-1] for r in responses) and any(r[-1] == eos for r in responses)
+    assert any(2 in r[:-1] for r in responses)
 
 
 # --- partial rollouts ------------------------------------------------------------------------------------------
