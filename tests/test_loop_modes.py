@@ -416,3 +416,14 @@ def test_resume_carries_the_rollout_ahead_and_the_unfinished_samples(tmp_path):
     rows = metrics(straight)
     assert rows[1]["staleness_max"] >= 1
     assert any(r["partial_resumed_frac"] > 0 for r in rows[2:])
+
+
+def test_partial_and_async_rollouts_over_http_match_the_embedded_engine(tmp_path):
+    """The rounds' calls (budgets differ per round) and the background thread's calls through the rollout server."""
+    args = [*WARM, "--num_steps=3", "--partial_rollouts", "--async_rollout", "--rollout_batch_size=3"]
+    a = ok(run_main(tmp_path / "embedded", *args))
+    b = ok(run_main(tmp_path / "http", *args, "--rollout_backend=http"))
+    assert a["state_hash"] == b["state_hash"]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]  # noqa: E731
+    assert strip(metrics(tmp_path / "embedded")) == strip(metrics(tmp_path / "http"))
+    assert (tmp_path / "http" / "rollout_server.log").exists()
