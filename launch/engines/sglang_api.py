@@ -84,7 +84,8 @@ def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
             tokens = [int(p[1]) for p in pairs]
             logprobs = [float(p[0]) for p in pairs]
             reason = meta["finish_reason"]["type"] if isinstance(meta["finish_reason"], dict) else "length"
-            version = int(meta.get("weight_version") or -1)
+            v = meta.get("weight_version")
+            version = -1 if v is None or v == "" else int(v)  # "" on a request aborted before it started
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{where}: /generate output {i} is malformed ({type(e).__name__}: {e})") from None
         if "output_ids" in item and list(item["output_ids"]) != tokens:
