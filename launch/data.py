@@ -99,3 +99,56 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
     if hasattr(tokenizer, "bos_id"):  # the built-in character tokenizer
         return [tokenizer.bos_id] + tokenizer.encode(prompt)
     return list(tokenizer.encode(prompt))  # a Hugging Face tokenizer adds its own special tokens
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether a checkpoint directory holds a Hugging Face tokenizer (so --prompt_data can use it)."""
+    import os
+
+    return bool(directory) and any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with the face of the built-in one that rollouts use: `eos_id`,
+    `encode`, `decode` (up to the first EOS, special tokens dropped), plus its chat template."""
+
+    def __init__(self, tok: Any):
+        if tok.eos_token_id is None:
+            raise DataError("the tokenizer has no eos_token: generation would have no stop token")
+        self.tok = tok
+        self.eos_id = int(tok.eos_token_id)
+        self.vocab_size = len(tok)
+        self.chat_template = getattr(tok, "chat_template", None)
+
+    def apply_chat_template(self, messages: Any, **kw: Any) -> Any:
+        return self.tok.apply_chat_template(messages, **kw)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(directory: str) -> HFTokenizer:
+    """The tokenizer saved in `directory` (local files only: nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True))
+    except (OSError, ValueError) as e:
+        raise DataError(f"--tokenizer={directory}: cannot load a Hugging Face tokenizer ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetTask:
+    """What rollouts need of a task when prompts come from --prompt_data with a Hugging Face
+    tokenizer: the tokenizer (prompts, labels and rewards come from the dataset rows)."""
+
+    tokenizer: Any

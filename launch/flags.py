@@ -13,6 +13,7 @@ from absl import flags
 import ops
 from launch import engines
 from launch.engines.config import RolloutConfig
+from launch.modes import LoopModes
 from launch.profiling import parse_profile_steps
 from launch.rl import RolloutShaping
 from miles_fn.advantages import ESTIMATORS
@@ -160,6 +161,20 @@ flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k sam
                      lower_bound=0)
 flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
 flags.DEFINE_string("load_rollouts", "", "Train from buffers saved by --save_rollouts in DIR (no rollout).")
+flags.DEFINE_string("tokenizer", "", "Hugging Face tokenizer directory for --prompt_data prompts (its chat template, "
+                    "if any, is applied; its EOS stops generation). Default: --hf_checkpoint's, when it holds one.")
+# Loop modes (launch/modes.py)
+flags.DEFINE_boolean("debug_rollout_only", False, "Debug the rollout side alone: roll out and score every step, "
+                     "log metrics (and --save_rollouts), never train, sync weights or checkpoint.")
+flags.DEFINE_boolean("debug_train_only", False, "Debug the trainer alone: no rollout engine is built; each step "
+                     "trains on --load_rollouts=DIR (required), and evaluation is skipped.")
+flags.DEFINE_boolean("partial_rollouts", False, "With --over_sampling > 1: generate in rounds of "
+                     "--partial_rollout_tokens; once a step has enough finished groups the rest stop and carry "
+                     "their partial responses into the next step, which continues them (launch/partial.py).")
+flags.DEFINE_integer("partial_rollout_tokens", 0, "New tokens per sample per generation round under "
+                     "--partial_rollouts (0 = a quarter of max_new_tokens, at least 1).", lower_bound=0)
+flags.DEFINE_boolean("async_rollout", False, "Roll out step k+1 while step k trains (one step off-policy: step "
+                     "k+1's samples come from the weights before step k's update); logs staleness_mean/max.")
 flags.register_validator(
     "debug_rollout_server_fault", lambda v: not v or engines.valid_fault(v),
     f"--debug_rollout_server_fault must be {engines.FAULTS}",
@@ -305,9 +320,13 @@ class RunConfig:
     custom_loss: str = ""
     ops: ops.OpsConfig = ops.REFERENCE
     offpolicy: OffPolicyConfig = OffPolicyConfig()
+    modes: LoopModes = LoopModes()
+    tokenizer: str = ""  # HF tokenizer directory for --prompt_data (resolved: --tokenizer or --hf_checkpoint's)
 
 
-def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int) -> RunConfig:
+def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int,
+                       tokenizer: str = "") -> RunConfig:
+    """The run's configs; `tokenizer` is the resolved Hugging Face tokenizer directory of --prompt_data ('' = none)."""
     f = FLAGS
     model = ModelConfig(
         vocab_size=vocab_size,
@@ -415,6 +434,9 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         custom_loss=f.custom_loss,
         ops=ops_config_from_flags(),
         offpolicy=offpolicy_config_from_flags(),
+        modes=LoopModes(f.debug_rollout_only, f.debug_train_only, f.partial_rollouts, f.partial_rollout_tokens,
+                        f.async_rollout),
+        tokenizer=tokenizer,
     )
 
 

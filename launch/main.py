@@ -12,6 +12,8 @@ import dataclasses
 import os
 import sys
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from absl import app, flags
 
 import ops
 import third_party
-from launch import debug, profiling, resume, rl, steps
+from launch import data, debug, modes, partial, profiling, resume, rl, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
 from launch import sft as sft_data
@@ -28,7 +30,7 @@ from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
 from launch.metrics import MetricsWriter, plot_curves, to_floats
 from launch.plugins import PluginError
-from launch.rollout import DataError, collect
+from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
 from miles_fn import model, prng, train
 from miles_fn.batching import pack_right_padded
@@ -58,6 +60,36 @@ class Job:
     cursor: resume.Cursor = dataclasses.field(default_factory=resume.Cursor)
     ref_params: Any = None  # the KL reference (the policy after the SFT warm-up), when --kl_coef > 0
     saved_step: int = -1  # state.step of the last checkpoint written or resumed from
+    rollout_task: Any = None  # what rollouts draw prompts from: the task, or --prompt_data's tokenizer
+    pool: partial.Pool | None = None  # --partial_rollouts: the unfinished groups carried between steps
+    ahead_rollout: Any = None  # --async_rollout: (buffer, stats) of the next step, generated ahead
+
+
+class NoEngine:
+    """--debug_train_only: no rollout engine exists; anything that would generate is a bug, said loudly."""
+
+    version = 0
+
+    def generate(self, requests: Any, sampling: Any) -> Any:
+        raise EngineError("--debug_train_only: this run has no rollout engine (it trains on --load_rollouts)")
+
+    def update_weights(self, version: int, params: Any) -> None:
+        self.version = version
+
+    def health(self) -> bool:
+        return True
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def flush_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def setup_torch(cfg: run_flags.RunConfig) -> None:
@@ -87,14 +119,29 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
     state = train.init_state(params, root)
-    engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads,
-                         ops_cfg=cfg.ops)
-    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size))
+    rollout_task: Any = task
+    if cfg.tokenizer:
+        try:
+            tok = data.load_tokenizer(cfg.tokenizer)
+        except DataError as e:
+            raise UserError(str(e)) from e
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise UserError(f"--tokenizer={cfg.tokenizer}: {tok.vocab_size} tokens, more than the model's vocabulary "
+                            f"of {cfg.model.vocab_size}")
+        rollout_task = data.DatasetTask(tok)
+    if cfg.modes.debug_train_only:
+        engine: Engine = NoEngine()
+    else:
+        engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads, ops_cfg=cfg.ops)
+    pool = partial.Pool() if cfg.modes.partial_rollouts else None
+    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size), rollout_task=rollout_task, pool=pool)
 
 
 def evaluate(job: Job) -> float:
-    """Exact-answer success rate of greedy decoding on the held-out prompts."""
+    """Exact-answer success rate of greedy decoding on the held-out prompts (NaN without an engine)."""
     task = job.task
+    if job.cfg.modes.debug_train_only:
+        return float("nan")
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
                             stop_token_ids=(task.tokenizer.eos_id,))
     gen = generate_batch(job.engine, [task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
@@ -126,21 +173,33 @@ def sft_warmup(job: Job, guard: steps.StepGuard) -> float:
     return cur.summary.get("sft_final_loss", float("nan"))
 
 
+# Per-sample entries of a rollout's stats (saved with --save_rollouts, never written to metrics.jsonl):
+# the first and last weight version that generated each sample (they differ for a resumed partial sample).
+SAMPLE_STATS = ("sample_version_first", "sample_version_last")
+
+
 def rollout(
-    job: Job, key: prng.Key, ref_params: Any, timer: profiling.PhaseTimer | None = None
+    job: Job, key: prng.Key, ref_params: Any, timer: profiling.PhaseTimer | None = None, rl_step: int | None = None
 ) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
+    """RL step `rl_step`'s buffer (1-based; default: the one after the state's last update) and its stats."""
     cfg, g = job.cfg, job.cfg.group_size
     timer = timer or profiling.PhaseTimer()
-    rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
+    if rl_step is None:
+        rl_step = int(job.state.step) - cfg.sft_warmup_steps + 1
     if cfg.rollout.load_rollouts:
         return load_rollout(cfg.rollout.load_rollouts, rl_step)
-    if rl.shapes_rollouts(cfg):  # DAPO's dynamic sampling / overlong shaping (launch.rl)
-        with timer("rollout"):
-            return rl.dapo_rollout(job, key, ref_params, K_DATA, K_ROLLOUT)
+    task = job.rollout_task if job.rollout_task is not None else job.task
+    extra: dict[str, float] = {}
     with timer("rollout"):  # generation; collect also scores the responses
-        col = collect(job.engine, job.task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
-                      prng.fold_in(key, K_ROLLOUT), job.state.key, rl_step - 1,
-                      cfg.prompts_per_step, g)
+        if job.pool is not None:  # --partial_rollouts
+            col, last_versions, extra = partial.collect(
+                job.pool, job.engine, task, cfg.rollout, cfg.sampling, prng.fold_in(key, K_DATA),
+                prng.fold_in(key, K_ROLLOUT), job.state.key, cfg.prompts_per_step, g,
+                partial.round_tokens(cfg.modes.partial_rollout_tokens, cfg.sampling.max_new_tokens))
+        else:
+            # over-sampling, DAPO's dynamic sampling and overlong shaping are one loop (launch.rl.collect)
+            col = rl.collect(job, key, K_DATA, K_ROLLOUT, rl_step - 1, task)
+            last_versions = col.batch.weight_versions
     with timer("reward"):
         prompts, gen, rewards = col.prompts, col.batch, col.rewards
         buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
@@ -159,6 +218,9 @@ def rollout(
         "weight_version": torch.tensor(float(min(gen.weight_versions))),
         "reward_errors": torch.tensor(float(col.reward_errors)),
         "informative_groups_frac": torch.tensor(col.informative_groups / cfg.prompts_per_step),
+        **{k: torch.tensor(v) for k, v in {**(col.stats or {}), **extra}.items()},
+        "sample_version_first": torch.tensor(gen.weight_versions, dtype=torch.int64),
+        "sample_version_last": torch.tensor(last_versions, dtype=torch.int64),
     }
     if cfg.rollout.save_rollouts:
         save_rollout(cfg.rollout.save_rollouts, rl_step, buf, stats)
@@ -170,7 +232,13 @@ def save_checkpoint(job: Job) -> None:
     if int(job.state.step) == job.saved_step:
         return
     block = lambda: debug.block_at(job.cfg.repro.debug_block_at, "checkpoint_write", int(job.state.step))
-    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block)
+    extra: dict[str, Any] = {}
+    if job.pool is not None:
+        extra["partial_pool"] = partial.to_tree(job.pool)
+    if job.ahead_rollout is not None:
+        extra["ahead_rollout"] = {"buffer": job.ahead_rollout[0], "stats": dict(job.ahead_rollout[1])}
+    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block,
+                extra)
     job.saved_step = int(job.state.step)
 
 
@@ -178,6 +246,10 @@ def restore(job: Job) -> None:
     """Continue from the latest checkpoint (--resume): state, KL reference, cursor, engine weights."""
     r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
     job.state, job.ref_params, job.cursor, job.saved_step = r.state, r.ref_params, r.cursor, int(r.state.step)
+    if job.pool is not None and "partial_pool" in r.extra:
+        job.pool = partial.from_tree(r.extra["partial_pool"])
+    if "ahead_rollout" in r.extra:
+        job.ahead_rollout = (r.extra["ahead_rollout"]["buffer"], r.extra["ahead_rollout"]["stats"])
     job.engine.update_weights(int(job.state.step), job.state.params)
     sys.stderr.write(f"resumed from {r.path}: {job.cursor.sft_step} SFT and {job.cursor.rl_step} RL steps done\n")
 
@@ -186,6 +258,10 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     if cfg.profile_steps is not None and cfg.profile_steps[1] > cfg.num_steps:
         a, b = cfg.profile_steps
         raise UserError(f"--profile_steps={a}:{b} goes past the run's last RL step (--num_steps={cfg.num_steps})")
+    try:
+        modes.check(cfg)
+    except ValueError as e:
+        raise UserError(str(e)) from e
     setup_torch(cfg)
     job = build(cfg)
     cfg = job.cfg
@@ -216,44 +292,78 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     bar = _progress(cfg, cur.rl_step)
     profiler = profiling.StepProfiler(cfg.profile_steps, cfg.output_dir)
     t_rl = time.time()
+    rollout_only, ahead = cfg.modes.debug_rollout_only, None
+    executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if cfg.modes.async_rollout else None
+    if job.ahead_rollout is not None:  # resumed: the checkpoint carried the rollout generated ahead
+        ahead = (futures.Future(), profiling.PhaseTimer())
+        ahead[0].set_result(job.ahead_rollout)
     for step in range(cur.rl_step, cfg.num_steps):
-        timer = profiling.PhaseTimer()
         profiler.begin(step + 1)
         key = prng.fold_in(job.state.key, step)
-        with launch_memory.offloaded(job, cfg.memory.offload_train_state):
-            buf, stats = rollout(job, key, job.ref_params, timer)
-        if cfg.repro.debug_nan_at_step == step + 1:
-            buf = debug.plant_nan(buf)
-        debug.block_at(cfg.repro.debug_block_at, "rl_step", step + 1)
-        with timer("train"):
-            job.state, metrics = guard("rl", step + 1, job.state, buf, prng.fold_in(key, K_TRAIN))
+        if ahead is not None:  # --async_rollout: generated during the previous step's update
+            (buf, stats), timer, ahead, job.ahead_rollout = ahead[0].result(), ahead[1], None, None
+            stats = dict(stats)
+        else:
+            timer = profiling.PhaseTimer()
+            with launch_memory.offloaded(job, cfg.memory.offload_train_state):
+                buf, stats = rollout(job, key, job.ref_params, timer, step + 1)
+        sample_stats = {k: stats.pop(k) for k in SAMPLE_STATS if k in stats}
+        if cfg.modes.async_rollout or cfg.modes.partial_rollouts:
+            stats.update(staleness(int(job.state.step), sample_stats["sample_version_first"]))
+        if rollout_only:  # --debug_rollout_only: no update, no weight sync, no checkpoint
+            metrics = to_floats(stats)
+        else:
+            if executor is not None:
+                # Step k+1's rollout, from the weights before step k's update (the engine's until the sync
+                # below, which waits for it): the step's samples are set by version, never by timing. The
+                # last step generates one too: the checkpoint carries it, so a longer resumed run is exact.
+                nxt = profiling.PhaseTimer()
+                ahead = (executor.submit(rollout, dataclasses.replace(job), prng.fold_in(job.state.key, step + 1),
+                                         job.ref_params, nxt, step + 2), nxt)
+            if cfg.repro.debug_nan_at_step == step + 1:
+                buf = debug.plant_nan(buf)
+            debug.block_at(cfg.repro.debug_block_at, "rl_step", step + 1)
+            with timer("train"):
+                job.state, metrics = guard("rl", step + 1, job.state, buf, prng.fold_in(key, K_TRAIN))
+            if ahead is not None:
+                job.ahead_rollout = ahead[0].result()
+            with timer("weight_sync"):
+                job.engine.update_weights(int(job.state.step), job.state.params)
+            metrics = to_floats({**stats, **metrics})
         cur.rl_step = step + 1
-        with timer("weight_sync"):
-            job.engine.update_weights(int(job.state.step), job.state.params)
         profiler.end(step + 1)
-        metrics = to_floats({**stats, **metrics})
         metrics.update(timer.metrics())
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps:
+        evaluating = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps
+        if evaluating and not cfg.modes.debug_train_only:
             metrics["eval_success"] = last_eval = cur.last_eval = evaluate(job)
             if cfg.rollout.eval_pass_k:
                 metrics.update(sampled_pass_at_k(job.engine, [job.task.prompt_ids(*p) for p in job.eval_pairs],
                                                  job.eval_pairs, job.task.reward, cfg.sampling,
                                                  cfg.rollout.eval_pass_k, (1, cfg.rollout.eval_pass_k)))
         writer.write(step + 1, metrics)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and not rollout_only:
             save_checkpoint(job)
         if bar is not None:
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", eval=f"{last_eval:.3f}")
             bar.update(1)
+    if executor is not None:
+        executor.shutdown()
     if bar is not None:
         bar.close()
     writer.close()
-    save_checkpoint(job)
+    if not rollout_only:
+        save_checkpoint(job)
     summary = {**{k: summary[k] for k in ("eval_success_init", "sft_final_loss") if k in summary},
                "sft_seconds": t_rl - t0, "eval_success_step0": summary["eval_success_step0"]}
     plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
     summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl, state_hash=tree_hash(job.state))
     return summary
+
+
+def staleness(trainer_version: int, sample_versions: torch.Tensor) -> dict[str, float]:
+    """How many updates behind the trainer each sample's (oldest) weights are, over the batch."""
+    lag = (trainer_version - sample_versions).double()
+    return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
 
 
 def run_sft(job: Job, writer: MetricsWriter, summary: dict[str, Any]) -> dict[str, Any]:
@@ -294,15 +404,26 @@ def _progress(cfg: run_flags.RunConfig, initial: int = 0):
 def config_from_flags() -> run_flags.RunConfig:
     """The RunConfig of the parsed flags (the task fixes vocabulary, stop token and answer length)."""
     task = AdditionTask(digits=flags.FLAGS.task_digits)
-    return run_flags.configs_from_flags(task.tokenizer.vocab_size, (task.tokenizer.eos_id,), task.max_answer_tokens)
+    vocab, stop = task.tokenizer.vocab_size, (task.tokenizer.eos_id,)
+    tok_dir = tokenizer_dir(flags.FLAGS.tokenizer, flags.FLAGS.hf_checkpoint, flags.FLAGS.prompt_data)
+    if tok_dir:  # --prompt_data through a Hugging Face tokenizer: its ids fit the model, its EOS stops generation
+        tok = data.load_tokenizer(tok_dir)
+        vocab, stop = max(vocab, tok.vocab_size), (tok.eos_id,)
+    return run_flags.configs_from_flags(vocab, stop, task.max_answer_tokens, tok_dir)
+
+
+def tokenizer_dir(tokenizer: str, hf_checkpoint: str, prompt_data: str) -> str:
+    """The Hugging Face tokenizer of --prompt_data: --tokenizer, else --hf_checkpoint's when it has one."""
+    if tokenizer:
+        return tokenizer
+    return hf_checkpoint if prompt_data and data.has_tokenizer(hf_checkpoint) else ""
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-    cfg = config_from_flags()
     try:
-        summary = run(cfg)
+        summary = run(config_from_flags())
     except (UserError, launch_memory.MemoryPlanError, EngineError, PluginError, DataError, RolloutFileError,
             resume.ResumeError, steps.StepFailed) as e:
         sys.exit(f"error: {e}")

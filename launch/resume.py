@@ -9,7 +9,8 @@ with metadata
     code_version  sha256 over the sources of miles_fn/, ops/, state/, launch/
 Every draw of step s derives from (state.key, s), so the cursor is the whole data and
 sampling position: continuing from a checkpoint computes what the straight run computed.
-The synchronous loop carries no rollout buffer across steps (each step rolls out its own).
+The synchronous loop carries no rollout buffer across steps (each step rolls out its own); --async_rollout
+carries the next step's buffer and --partial_rollouts its unfinished samples, both saved in the tree.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Restored(NamedTuple):
     state: TrainState
     ref_params: Any
     cursor: Cursor
+    extra: dict[str, Any] = {}  # what save's `extra` held (the loop modes' carried rollouts)
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -94,12 +96,16 @@ def save(
     cursor: Cursor,
     flags: dict[str, Any],
     before_commit: Callable[[], None] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
+    """`extra`: more of the loop's state to carry (--async_rollout's rollout generated ahead, --partial_rollouts'
+    unfinished samples), returned by restore as Restored.extra."""
     step = int(state.step)
     path = checkpoint.step_dir(checkpoint_root(output_dir), step)
     meta = {"step": step, "cursor": dataclasses.asdict(cursor), "flags": flags,
             "code_version": running_code_version()}
-    checkpoint.save(path, {"state": state, "ref_params": ref_params}, meta, before_commit=before_commit)
+    checkpoint.save(path, {"state": state, "ref_params": ref_params, **(extra or {})}, meta,
+                    before_commit=before_commit)
     return path
 
 
@@ -152,4 +158,5 @@ def restore(output_dir: str, flags: dict[str, Any]) -> Restored:
     if meta.get("code_version") != now:
         sys.stderr.write(f"warning: {path} was written by other code (code_version {meta.get('code_version')}, now "
                          f"{now}); the resumed run is exact only if the change left the math alone\n")
-    return Restored(path, loaded.tree["state"], loaded.tree["ref_params"], Cursor(**meta["cursor"]))
+    extra = {k: v for k, v in loaded.tree.items() if k not in ("state", "ref_params")}
+    return Restored(path, loaded.tree["state"], loaded.tree["ref_params"], Cursor(**meta["cursor"]), extra)

@@ -18,9 +18,7 @@ from launch import memory as launch_memory
 from launch import rollout
 from launch.engines.config import RolloutConfig
 from miles_fn import dapo, objective, prng, train
-from miles_fn import model as model_lib
 from miles_fn.config import ModelConfig
-from miles_fn.rollout_buffer import build_rollout_buffer
 from state.train_state import ActorCriticState, RolloutBuffer
 
 K_DYNAMIC = 3  # sub-key of a step's key for dynamic sampling's extra rounds (round 0 uses the plain keys)
@@ -35,8 +33,11 @@ class RolloutShaping:
     critic_lr: float = 1e-3
 
 
-def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int, step: int = 0) -> rollout.Collected:
+def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int, step: int = 0, task: Any = None
+            ) -> rollout.Collected:
     """One step's samples through launch.rollout.collect, with DAPO's dynamic sampling and overlong shaping.
+
+    task: what prompts are drawn from and scored by (default job.task).
 
     Dynamic sampling is that loop's GroupSelection without fill: groups whose rewards are all
     equal are dropped and new prompts are drawn (round r > 0 keys: fold_in(fold_in(key, K_DYNAMIC),
@@ -52,7 +53,7 @@ def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int, step: int = 0)
 
     selection = (rollout.GroupSelection(shaping.dynamic_sampling_max_rounds, fill=False) if shaping.dynamic_sampling
                  else rollout.GroupSelection())
-    out = rollout.collect(job.engine, job.task, rcfg, cfg.sampling, prng.fold_in(key, k_data),
+    out = rollout.collect(job.engine, job.task if task is None else task, rcfg, cfg.sampling, prng.fold_in(key, k_data),
                           prng.fold_in(key, k_rollout), getattr(getattr(job, "state", None), "key", key), step,
                           cfg.prompts_per_step, cfg.group_size, selection, round_keys)
     if shaping.overlong_buffer > 0:
@@ -63,35 +64,6 @@ def collect(job: Any, key: prng.Key, k_data: int, k_rollout: int, step: int = 0)
                  "task_reward_mean": sum(out.rewards) / len(out.rewards)}
         out = out._replace(rewards=[r + p for r, p in zip(out.rewards, pen.tolist(), strict=True)], stats=stats)
     return out
-
-
-def shapes_rollouts(cfg: Any) -> bool:
-    """Whether the step's samples come from `collect` below (DAPO) rather than the plain rollout."""
-    return cfg.shaping.dynamic_sampling or cfg.shaping.overlong_buffer > 0
-
-
-def dapo_rollout(job: Any, key: prng.Key, ref_params: Any, k_data: int, k_rollout: int
-                 ) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
-    """The step's buffer from `collect` (dynamic sampling, overlong shaping), reference log-probs, advantages."""
-    cfg, g = job.cfg, job.cfg.group_size
-    col = collect(job, key, k_data, k_rollout, int(job.state.step) - cfg.sft_warmup_steps)
-    gen = col.batch
-    buf = build_rollout_buffer(col.prompts, gen.tokens, gen.logprobs, col.rewards,
-                               [i // g for i in range(len(col.prompts))], cfg.normalize_advantage_std, col.loss_masks)
-    if ref_params is not None:
-        with torch.no_grad():
-            ref = model_lib.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
-                                              cfg.loss.temperature)
-        buf = buf._replace(ref_logprobs=ref)
-    buf = finish(job, buf)
-    n = len(gen.tokens)
-    stats = {
-        "reward_mean": buf.rewards.mean(),
-        "response_len": torch.tensor(sum(len(t) for t in gen.tokens) / n),
-        "truncated_frac": torch.tensor(sum(f == "length" for f in gen.finish_reasons) / n),
-        **{k: torch.tensor(v) for k, v in (col.stats or {}).items()},
-    }
-    return buf, stats
 
 
 def finish(job: Any, buf: RolloutBuffer) -> RolloutBuffer:

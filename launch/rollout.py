@@ -152,15 +152,20 @@ def _round(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCon
         masks = [list(t.loss_mask) for t in trajs]
     else:
         batch = generate_batch(engine, prompts, rollout_key, sampling)
-    errors = 0
+    rewards, errors = score(task, rcfg, prompts, batch.tokens, sample_labels)
+    return Collected(prompts, batch, masks, rewards, errors)
+
+
+def score(task: Any, rcfg: RolloutConfig, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+          labels: Sequence[Any]) -> tuple[list[float], int]:
+    """(rewards, reward errors) of finished samples, scored as `collect` scores them."""
+    tok = task.tokenizer
     if rcfg.custom_reward_fn:
         fn = plugins.load_function(rcfg.custom_reward_fn, "custom_reward_fn")
-        inputs = [plugins.RewardInput(i, p, r, task.tokenizer.decode(p), task.tokenizer.decode(r), lab)
-                  for i, (p, r, lab) in enumerate(zip(prompts, batch.tokens, sample_labels, strict=True))]
-        rewards, errors = plugins.compute_rewards(fn, inputs, rcfg.reward_errors)
-    elif rcfg.prompt_data:
-        rewards = [float(task.tokenizer.eos_id in r and task.tokenizer.decode(r).strip() == str(lab).strip())
-                   for r, lab in zip(batch.tokens, sample_labels, strict=True)]
-    else:
-        rewards = [task.reward(r, lab) for r, lab in zip(batch.tokens, sample_labels, strict=True)]
-    return Collected(prompts, batch, masks, rewards, errors)
+        inputs = [plugins.RewardInput(i, list(p), list(r), tok.decode(list(p)), tok.decode(list(r)), lab)
+                  for i, (p, r, lab) in enumerate(zip(prompts, responses, labels, strict=True))]
+        return plugins.compute_rewards(fn, inputs, rcfg.reward_errors)
+    if rcfg.prompt_data:
+        return [float(tok.eos_id in r and tok.decode(list(r)).strip() == str(lab).strip())
+                for r, lab in zip(responses, labels, strict=True)], 0
+    return [task.reward(list(r), lab) for r, lab in zip(responses, labels, strict=True)], 0

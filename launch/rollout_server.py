@@ -39,6 +39,8 @@ class RolloutState:
                  group_timeout_s: float = 600.0, group_fault: str = ""):
         self.cfg, self.params, self.version = cfg, params, version
         self.lock = threading.Lock()
+        self.waiting_lock = threading.Lock()
+        self.wake = threading.Condition(self.waiting_lock)
         self.running = threading.Event()
         self.running.set()
         self.generate_calls = 0
@@ -48,16 +50,50 @@ class RolloutState:
         self.group_timeout_s = group_timeout_s
         self.group_fault = group_fault  # tests: "unreachable" or "crash_in_update:N"
         self.distributed_updates = 0
+        # Abort (SGLang's /abort_request, /pause_generation mode "abort"): a call runs as one batch, so
+        # abort reaches calls still waiting: paused ones come back at once, queued ones when the running
+        # batch ends, with finish_reason "abort" and the output so far (empty: they never started).
+        self.waiting: dict[int, list[str]] = {}  # waiting call id -> its request ids
+        self.aborted: set[int] = set()  # waiting call ids to answer with an abort
+        self.calls = 0
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Mark waiting calls that hold `rid` (or all) as aborted; how many. An unknown rid is a no-op, as in SGLang."""
+        with self.waiting_lock:
+            hit = [c for c, rids in self.waiting.items() if abort_all or rid in rids]
+            self.aborted.update(hit)
+            self.wake.notify_all()
+        return len(hit)
 
     def generate(self, body: dict[str, Any], probe: bool = False) -> list[dict[str, Any]]:
         prompts, seeds, sampling = sglang_api.parse_generate_body(body)
-        self.running.wait()
-        with self.lock:
-            self.generate_calls += not probe
-            if self.exit_after and self.generate_calls >= self.exit_after:
-                os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
-            reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
-            samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version)
+        rid = body.get("rid")
+        rids = [str(r) for r in rid] if isinstance(rid, list) else [str(rid)] * len(prompts) if rid else []
+        with self.waiting_lock:
+            self.calls += 1
+            call = self.calls
+            self.waiting[call] = rids
+            while not self.running.is_set() and call not in self.aborted:
+                self.wake.wait(0.05)
+        try:
+            with self.lock:
+                with self.waiting_lock:
+                    if call in self.aborted:
+                        return [sglang_api.abort_reply(len(p)) for p in prompts]
+                    del self.waiting[call]
+                return self._run(prompts, seeds, sampling, probe)
+        finally:
+            with self.waiting_lock:
+                self.waiting.pop(call, None)
+                self.aborted.discard(call)
+
+    def _run(self, prompts: list[list[int]], seeds: list[int], sampling: Any, probe: bool) -> list[dict[str, Any]]:
+        """One call as one batch (the caller holds self.lock)."""
+        self.generate_calls += not probe
+        if self.exit_after and self.generate_calls >= self.exit_after:
+            os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
+        reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+        samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version)
         return sglang_api.generate_reply(samples, [len(p) for p in prompts])
 
     def update_from_tensors(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -262,6 +298,8 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
                     return self._send(200, {"success": True})
                 if path == "/pause_generation":
                     state.running.clear()
+                    if body.get("mode") == "abort":
+                        state.abort(abort_all=True)
                     return self._send(200, {"success": True})
                 if path == "/continue_generation":
                     state.running.set()
@@ -272,6 +310,9 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
                     return self._send(200, state.update_from_distributed(body))
                 if path == "/destroy_weights_update_group":
                     return self._send(200, state.destroy_group(body))
+                if path == "/abort_request":
+                    n = state.abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
+                    return self._send(200, {"success": True, "message": f"aborted {n} waiting call(s)"})
                 return self._send(404, {"error": f"no endpoint {path}"})
             except ValueError as e:
                 return self._send(400, {"success": False, "message": str(e)})

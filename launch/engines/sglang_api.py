@@ -17,6 +17,8 @@ rollout server (to answer like SGLang). Shapes follow SGLang's GenerateReqInput 
        {"group_name"} (launch/engines/weight_group.py)
   POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info,
   POST /pause_generation {"mode": "abort"|"retract"|"in_place"}, POST /continue_generation
+  POST /abort_request {"rid": str, "abort_all": bool} (a /generate body may carry "rid": str or [str]);
+    an aborted request finishes with {"type": "abort"} and the tokens it had produced
 
 Tensor payloads: SGLang's own serializer is pickle (torch multiprocessing reductions), which must
 never be read from a socket. Our format, load_format = TENSOR_FORMAT: serialized_named_tensors
@@ -84,7 +86,8 @@ def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
             tokens = [int(p[1]) for p in pairs]
             logprobs = [float(p[0]) for p in pairs]
             reason = meta["finish_reason"]["type"] if isinstance(meta["finish_reason"], dict) else "length"
-            version = int(meta.get("weight_version", -1))
+            v = meta.get("weight_version")
+            version = -1 if v is None or v == "" else int(v)  # "" on a request aborted before it started
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{where}: /generate output {i} is malformed ({type(e).__name__}: {e})") from None
         if "output_ids" in item and list(item["output_ids"]) != tokens:
@@ -113,6 +116,13 @@ def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> lis
             },
         })
     return out
+
+
+def abort_reply(n_prompt: int) -> dict[str, Any]:
+    """SGLang's reply for a request aborted before it produced a token."""
+    return {"text": "", "output_ids": [], "meta_info": {
+        "finish_reason": {"type": "abort", "message": "aborted by /abort_request or /pause_generation"},
+        "prompt_tokens": n_prompt, "completion_tokens": 0, "output_token_logprobs": [], "weight_version": ""}}
 
 
 def parse_generate_body(body: dict[str, Any]) -> tuple[list[list[int]], list[int], SamplingConfig]:

@@ -119,6 +119,10 @@ class SGLangClient:
     def continue_generation(self) -> None:
         self.call("POST", "/continue_generation", {})
 
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the request `rid` (or all): it finishes with finish_reason "abort" and its output so far."""
+        self.call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
     def _checked(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         reply = self.call("POST", path, body, timeout_s)
         if isinstance(reply, dict) and reply.get("success") is False:
