@@ -1,8 +1,11 @@
 """The default job learns: a shortened run of the shipped flagfile raises held-out success.
 
-The full job (700 steps) reaches 0.99 from 0.15; 250 steps must at least reach 0.4
-(measured 0.66), which no run whose gradients point the wrong way or whose rewards,
-advantages or masks are misaligned can do.
+The full job (700 steps) reaches 0.99 from 0.15. After 250 steps held-out success must at
+least double and gain 0.15 (5 standard errors of a 256-prompt estimate), which no run whose
+gradients point the wrong way or whose rewards, advantages or masks are misaligned can do.
+The bound is relative to step 0 because the trajectory depends on the CPU: MKL picks its GEMM
+kernels (and so the rounding) by instruction set, so the same seed learns at different speeds on
+different machines (measured at 250 steps: 0.137 -> 0.754 on one AMD EPYC, 0.102 -> 0.277 on another).
 """
 
 import os
@@ -23,4 +26,4 @@ def test_grpo_raises_heldout_success(tmp_path):
     vals = dict(re.findall(r"(\w+)=([0-9.]+)", p.stdout))
     step0, final = float(vals["eval_success_step0"]), float(vals["eval_success_final"])
     assert step0 < 0.25
-    assert final >= 0.4 and final >= 2 * step0, (step0, final)
+    assert final >= 2 * step0 and final >= step0 + 0.15, (step0, final)

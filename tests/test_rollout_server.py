@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-from launch.engines.base import EngineError, Request, make_requests, request_seed
+from launch.engines.base import EngineError, Request, make_requests, request_seed, seed_keys
 from launch.engines.embedded import EmbeddedEngine
 from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, hf_named_tensors, tensor_sync
 from launch.engines.sglang_api import TENSOR_FORMAT, encode_tensors, parse_generate_reply
@@ -70,6 +70,21 @@ def test_request_seed_carries_the_fold_in_key_exactly():
     k = prng.key(12345)
     for rid in (0, 1, 7, 2**31):
         assert torch.equal(prng.key(request_seed(k, rid)), prng.fold_in(k, rid))
+
+
+def test_make_requests_seeds_are_each_requests_own_fold_in_and_seed_keys_inverts_them():
+    # make_requests folds every rid in one vectorised call; each seed must still be the scalar fold_in's.
+    k, rids = prng.key(777), [5, 0, 2**32 - 1, 3, 2**31 + 9]
+    reqs = make_requests([[1]] * len(rids), k, rids)
+    for r in reqs:
+        k0, k1 = prng.fold_in(k, r.rid).tolist()
+        assert r.seed == (k0 << 32) | k1
+    assert torch.equal(seed_keys([r.seed for r in reqs]), torch.stack([prng.fold_in(k, rid) for rid in rids]))
+    assert seed_keys([]).shape == (0, 2)
+    with pytest.raises(ValueError, match="sampling seed"):
+        seed_keys([2**64])
+    with pytest.raises(ValueError, match="2 request ids for 1 prompts"):
+        make_requests([[1]], k, [0, 1])
 
 
 def test_embedded_chunks_are_generate_on_each_chunk_and_whole_batch_is_unchanged():

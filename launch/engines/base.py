@@ -75,19 +75,31 @@ class Engine(Protocol):
 
 def request_seed(key: prng.Key, rid: int) -> int:
     """The 64-bit seed of request `rid` under batch key `key`: the words of fold_in(key, rid)."""
-    k0, k1 = prng.to_list(prng.fold_in(key, rid))
-    return (k0 << 32) | k1
+    return request_seeds(key, [rid])[0]
+
+
+def request_seeds(key: prng.Key, rids: Sequence[int]) -> list[int]:
+    """request_seed of every rid in one vectorised fold_in (one Threefry call, not one per request)."""
+    if not rids:
+        return []
+    words = prng.fold_in(key, torch.tensor(list(rids), dtype=torch.int64)).tolist()
+    return [(k0 << 32) | k1 for k0, k1 in words]
 
 
 def seed_keys(seeds: Sequence[int]) -> torch.Tensor:
     """Per-request keys [B, 2] from 64-bit seeds (the inverse of request_seed)."""
-    return torch.stack([prng.key(s) for s in seeds]) if seeds else torch.zeros(0, 2, dtype=torch.int64)
+    for s in seeds:
+        if not 0 <= s < 2**64:
+            raise ValueError(f"a sampling seed must be in [0, 2**64), got {s}")
+    return torch.tensor([[s >> 32, s & 0xFFFFFFFF] for s in seeds], dtype=torch.int64).reshape(-1, 2)
 
 
 def make_requests(prompts: Sequence[Sequence[int]], key: prng.Key, request_ids: Sequence[int] | None = None
                   ) -> list[Request]:
     ids = list(request_ids) if request_ids is not None else list(range(len(prompts)))
-    return [Request(rid, list(p), request_seed(key, rid)) for rid, p in zip(ids, prompts, strict=True)]
+    if len(ids) != len(prompts):
+        raise ValueError(f"make_requests: {len(ids)} request ids for {len(prompts)} prompts")
+    return [Request(rid, list(p), seed) for rid, p, seed in zip(ids, prompts, request_seeds(key, ids), strict=True)]
 
 
 def chunked(items: Sequence[T], size: int) -> list[list[T]]:
