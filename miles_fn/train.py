@@ -133,11 +133,16 @@ def _micro_batch_grads(
     log: Callable[[str], None] | None,
     fixed_order: bool = False,
 ) -> Iterator[tuple[Any, torch.Tensor, dict[str, torch.Tensor]] | None]:
-    """(grads, loss, aux) of mb, or after an out-of-memory error those of its halves (None marks a split)."""
+    """(grads, loss, aux) of mb, or after an out-of-memory error those of its halves (None marks a split).
+
+    The halves run after the `except` block has ended: inside it the live exception's traceback
+    still holds the failed attempt's frames and activations, so on a GPU the retry would start
+    with the memory that ran out still taken.
+    """
+    n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
     try:
         g, (loss, aux) = loss_and_grad(params, mb, key, loss_fn, use_autograd)
     except torch.OutOfMemoryError as e:
-        n = int(mb.lengths.numel()) if isinstance(mb, PackedBatch) else 1
         if fixed_order:
             raise torch.OutOfMemoryError(
                 f"out of memory on a gradient tile of {n} samples, {mb.tokens.numel()} tokens: with "
@@ -149,16 +154,20 @@ def _micro_batch_grads(
                 f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
                 f"splits (--max_oom_splits={max_oom_splits}); lower --max_tokens_per_micro_batch: {e}"
             ) from e
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if log is not None:
-            log(f"out of memory on a micro-batch of {n} samples ({tuple(mb.tokens.shape)} tokens): "
-                f"splitting in two and retrying (depth {depth + 1})")
-        yield None
-        for half in packing.split(mb):
-            yield from _micro_batch_grads(params, half, key, loss_fn, use_autograd, depth + 1, max_oom_splits, log)
+        failed = True
+    else:
+        failed = False
+    if not failed:
+        yield g, loss, aux
         return
-    yield g, loss, aux
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if log is not None:
+        log(f"out of memory on a micro-batch of {n} samples ({tuple(mb.tokens.shape)} tokens): "
+            f"splitting in two and retrying (depth {depth + 1})")
+    yield None
+    for half in packing.split(mb):
+        yield from _micro_batch_grads(params, half, key, loss_fn, use_autograd, depth + 1, max_oom_splits, log)
 
 
 def loss_and_grad(

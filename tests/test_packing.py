@@ -5,6 +5,7 @@ tests/test_model_parity.py checks against transformers.
 """
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -231,6 +232,27 @@ def test_injected_oom_splits_and_still_gives_the_unsplit_update(params):
     assert m_oom["micro_batches"] > m_ref["micro_batches"]
     torch.testing.assert_close(m_oom["loss"], m_ref["loss"], rtol=1e-5, atol=1e-6)
     assert_trees_close(s_oom, s_ref)
+
+
+def test_oom_retry_runs_after_the_failed_attempts_memory_is_released(params):
+    # A failed attempt's activations live in its traceback's frames: a retry started inside the
+    # `except` block would run with them still allocated (and, on a GPU, run out again).
+    buf = make_buffer()
+    mbs = packing.pack(buf, max_tokens=128, row_len=64)
+    refs, alive_at_call = [], []
+    inner = grpo_loss("token_mean")
+
+    def loss_fn(p, batch, key):
+        alive_at_call.append(sum(r() is not None for r in refs))
+        if batch.tokens.numel() > 30:
+            activations = torch.ones(4096)  # what the failed forward had allocated when it ran out
+            refs.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("injected")
+        return inner(p, batch, key)
+
+    train.train_step_accumulated(train.init_state(params, prng.key(2)), mbs, prng.key(3), loss_fn,
+                                 optim.OptimConfig(), max_oom_splits=4)
+    assert refs and alive_at_call and max(alive_at_call) == 0, alive_at_call
 
 
 def test_oom_recovery_is_bounded_and_says_what_to_change(params):
