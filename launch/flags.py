@@ -98,8 +98,14 @@ flags.DEFINE_float("memory_margin_gb", 0.0, "Memory the token-budget planner lea
                    "CPU: of MemAvailable).", lower_bound=0.0)
 flags.DEFINE_boolean("offload_train_state", False, "Park params and optimizer state in host memory while the "
                      "rollout engine runs (colocated mode).")
-flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried.",
-                     lower_bound=0)
+flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried "
+                     "(micro-batches exist only with --max_tokens_per_micro_batch).", lower_bound=0)
+flags.register_multi_flags_validator(
+    ["memory_margin_gb", "pack_row_len", "max_tokens_per_micro_batch"],
+    lambda v: v["max_tokens_per_micro_batch"] > 0 or (v["memory_margin_gb"] == 0 and v["pack_row_len"] == 0),
+    "--memory_margin_gb and --pack_row_len shape the micro-batches of --max_tokens_per_micro_batch: without a "
+    "budget (--max_tokens_per_micro_batch=0, the whole batch at once) they would do nothing; set one",
+)
 flags.register_multi_flags_validator(
     ["pack_row_len", "max_tokens_per_micro_batch"],
     lambda v: not v["pack_row_len"] or not v["max_tokens_per_micro_batch"]

@@ -15,7 +15,7 @@ from miles_fn import memory, packing, prng, train
 from miles_fn.config import ModelConfig
 from miles_fn.memory import MemoryConfig
 from miles_fn.optim import OptimConfig
-from state.train_state import RolloutBuffer, TrainState
+from state.train_state import ActorCriticState, RolloutBuffer, TrainState
 from state.tree import tree_leaves
 
 
@@ -43,21 +43,52 @@ def state_device(state: TrainState) -> torch.device:
 
 @contextlib.contextmanager
 def offloaded(holder: Any, enabled: bool) -> Iterator[None]:
-    """Park holder.state (params and optimizer state) in host memory for the body, the rollout.
+    """Park holder.state in host memory for the body, the rollout, so that a colocated engine has the device.
 
-    In colocated mode the engine serves its own copy of the weights while the trainer's copy and
-    its optimizer moments (2x params in float32) wait on the host. The embedded engine shares the
-    trainer's params, so there only the optimizer state is actually freed.
+    An engine that serves its own copy of the weights (a colocated SGLang server) lets the trainer's
+    params and optimizer moments both wait on the host; the copy such an engine keeps to re-send
+    after a restart (`engine.params`) moves with them, or it would pin the device params. An engine
+    that computes on the trainer's params (`computes_on_trainer_params`: the embedded one) needs them
+    where they are, so there only the optimizer state moves, and the params come back as the very
+    tensors the engine holds, never as a second device copy.
     """
     if not enabled:
         yield
         return
-    device = state_device(holder.state)
-    holder.state = memory.offload(holder.state)
+    engine = getattr(holder, "engine", None)
+    state = holder.state
+    device = state_device(state)
+    if getattr(engine, "computes_on_trainer_params", False):
+        keep = _params_of(state)
+        holder.state = memory.offload(_with_params(state, None))
+        del state  # the generator's frame would otherwise hold the device moments through the body
+        try:
+            yield
+        finally:
+            holder.state = _with_params(memory.reload(holder.state, device), keep)
+        return
+    engine_copy = engine is not None and getattr(engine, "params", None) is state.params
+    holder.state = memory.offload(state)
+    del state
+    if engine_copy:
+        engine.params = holder.state.params
     try:
         yield
     finally:
         holder.state = memory.reload(holder.state, device)
+        if engine_copy and engine.params is not None:
+            engine.params = holder.state.params
+
+
+def _params_of(state: Any) -> Any:
+    """The policy params of a TrainState or of PPO's ActorCriticState."""
+    return state.policy.params if isinstance(state, ActorCriticState) else state.params
+
+
+def _with_params(state: Any, params: Any) -> Any:
+    if isinstance(state, ActorCriticState):
+        return state._replace(policy=state.policy._replace(params=params))
+    return state._replace(params=params)
 
 
 def plan_budget(cfg: MemoryConfig, model_cfg: ModelConfig, lengths: list[int], device: torch.device) -> tuple[int, int]:

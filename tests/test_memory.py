@@ -51,3 +51,57 @@ def test_activation_estimate_counts_by_hand():
     assert memory.activation_bytes_per_token(CFG, row_len=10, recompute=False) == 4 * (2 * 504 + 111) + 10
     # recompute: 2 layer inputs of 32 + one live layer
     assert memory.activation_bytes_per_token(CFG, row_len=10, recompute=True) == 4 * (64 + 504 + 111) + 10
+
+
+class _Holder:
+    def __init__(self, state, engine):
+        self.state, self.engine = state, engine
+
+
+class _ServerEngine:
+    """An engine with its own copy of the weights (a colocated server); keeps the trainer's for a restart."""
+
+    def __init__(self, params):
+        self.params = params
+
+
+def _offload_state():
+    state = train.init_state(model.init_params(CFG, prng.key(0), std=0.3), prng.key(7))
+    return state._replace(opt_state=state.opt_state._replace(mu=tree_map(lambda x: x + 0.5, state.opt_state.mu)))
+
+
+def test_offload_around_a_server_engine_frees_the_trainers_params_and_the_engines_restart_copy():
+    import weakref
+
+    from launch.memory import offloaded
+
+    state = _offload_state()
+    before = tree_hash(state)
+    holder = _Holder(state, _ServerEngine(state.params))
+    device_leaves = [weakref.ref(x) for x in tree_leaves(state)]
+    del state
+    with offloaded(holder, True):
+        # nothing holds the device tensors any more: the body (the rollout) has their memory
+        assert all(r() is None for r in device_leaves)
+        assert holder.engine.params is holder.state.params and tree_hash(holder.state) == before
+    assert tree_hash(holder.state) == before
+    assert holder.engine.params is holder.state.params  # one copy of the params, shared again
+
+
+def test_offload_around_the_embedded_engine_moves_only_the_optimizer_state():
+    import weakref
+
+    from launch.engines.embedded import EmbeddedEngine
+    from launch.memory import offloaded
+
+    state = _offload_state()
+    before = tree_hash(state)
+    engine = EmbeddedEngine(CFG, state.params)
+    holder = _Holder(state, engine)
+    moments = [weakref.ref(x) for x in tree_leaves(state.opt_state.mu) + tree_leaves(state.opt_state.nu)]
+    del state
+    with offloaded(holder, True):
+        assert all(r() is None for r in moments)  # the optimizer moments left the device
+        assert engine.params is not None and holder.state.params is None
+    assert tree_hash(holder.state) == before
+    assert holder.state.params is engine.params  # the params the engine generated from, not a second copy

@@ -29,3 +29,6 @@ def test_memory_flags_that_cannot_work_are_named(tmp_path):
     assert p.returncode != 0 and "--pack_row_len must not exceed --max_tokens_per_micro_batch" in p.stderr
     p = run_main(*TINY, "--max_tokens_per_micro_batch=32", "--memory_margin_gb=100000", f"--output_dir={tmp_path}/m")
     assert p.returncode != 0 and "--memory_margin_gb=100000" in p.stderr and "Traceback" not in p.stderr
+    # without a token budget the margin and row length would shape nothing: refused, not ignored
+    p = run_main("--memory_margin_gb=2", f"--output_dir={tmp_path}/n", timeout=60)
+    assert p.returncode != 0 and "--memory_margin_gb and --pack_row_len shape the micro-batches" in p.stderr

@@ -19,6 +19,8 @@ class EmbeddedEngine:
     server-backed engine sends, so both give bitwise the same samples.
     """
 
+    computes_on_trainer_params = True  # it generates from the trainer's tensors: offload must leave them
+
     def __init__(self, cfg: ModelConfig, params: Any, version: int = 0, batch_size: int = 0,
                  ops_cfg: ops.OpsConfig = ops.REFERENCE):
         self.cfg = cfg
