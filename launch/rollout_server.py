@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import ops
 from launch.engines import sglang_api, weight_group
 from launch.engines.base import Request
 from launch.engines.embedded import run_chunk
@@ -36,8 +37,9 @@ class RolloutState:
     """The server's mutable state (weights, version, pause flag), guarded by one lock."""
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, exit_after: int = 0,
-                 group_timeout_s: float = 600.0, group_fault: str = ""):
+                 group_timeout_s: float = 600.0, group_fault: str = "", ops_cfg: ops.OpsConfig = ops.REFERENCE):
         self.cfg, self.params, self.version = cfg, params, version
+        self.ops_cfg = ops_cfg  # ops.INVARIANT (--enable-deterministic-inference): the trainer's log-probs bit for bit
         self.lock = threading.Lock()
         self.waiting_lock = threading.Lock()
         self.wake = threading.Condition(self.waiting_lock)
@@ -93,7 +95,7 @@ class RolloutState:
         if self.exit_after and self.generate_calls >= self.exit_after:
             os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
         reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
-        samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version)
+        samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg)
         return sglang_api.generate_reply(samples, [len(p) for p in prompts])
 
     def update_from_tensors(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +285,7 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
                     return self._send(200, {})
                 if path in ("/get_model_info", "/model_info"):
                     return self._send(200, {"model_path": "miles-fn", "is_generation": True,
-                                            "weight_version": str(state.version)})
+                                            "weight_version": str(state.version), **ops_info(state.ops_cfg)})
                 if path in ("/get_weight_version", "/weight_version"):
                     return self._send(200, {"weight_version": str(state.version)})
                 if method != "POST":
@@ -328,6 +330,19 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def server_ops(deterministic: bool, tile_rows: int, kv_block: int) -> ops.OpsConfig:
+    """The kernels the server runs: the invariant ones (with the trainer's tiling) when deterministic."""
+    if not deterministic:
+        return ops.REFERENCE
+    return ops.OpsConfig(mode="invariant", tile_rows=tile_rows, kv_block=kv_block)
+
+
+def ops_info(oc: ops.OpsConfig) -> dict[str, Any]:
+    """What /get_model_info says of the kernels, so a client can check they are the trainer's."""
+    return {"deterministic_inference": oc.invariant,
+            "invariant_ops": {"tile_rows": oc.tile_rows, "kv_block": oc.kv_block} if oc.invariant else None}
+
+
 def watch_parent(parent: int) -> None:
     """Exit when the process that started us is gone, so a killed run never leaks a server."""
     while True:
@@ -343,7 +358,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1, help="must be 1 (accepted for SGLang compatibility)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="ignored (SGLang compatibility)")
-    p.add_argument("--enable-deterministic-inference", action="store_true", help="always on here")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant kernels (ops.INVARIANT): a request's tokens and log-probs do not depend on "
+                   "its batch, and equal the trainer's under --true_on_policy bit for bit")
+    p.add_argument("--invariant-tile-rows", type=int, default=ops.INVARIANT.tile_rows,
+                   help="with --enable-deterministic-inference: the trainer's --invariant_tile_rows")
+    p.add_argument("--invariant-kv-block", type=int, default=ops.INVARIANT.kv_block,
+                   help="with --enable-deterministic-inference: the trainer's --invariant_kv_block")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="always on here: ids in, ids out")
     p.add_argument("--weight-version", default="0", help="version of the weights at --model-path")
     p.add_argument("--num-threads", type=int, default=1)
@@ -372,8 +393,12 @@ def main(argv: list[str] | None = None) -> None:
         version = int(args.weight_version)
     except (OSError, KeyError, ValueError) as e:
         sys.exit(f"error: --model-path={args.model_path}: {e}")
+    try:
+        ops_cfg = server_ops(args.enable_deterministic_inference, args.invariant_tile_rows, args.invariant_kv_block)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
-                         args.debug_group_fault)
+                         args.debug_group_fault, ops_cfg)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"rollout server listening on http://{args.host}:{server.server_address[1]}", flush=True)

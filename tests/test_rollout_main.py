@@ -35,7 +35,7 @@ def metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 
-def start_server(tmp_path) -> tuple[ServerProcess, str]:
+def start_server(tmp_path, *extra: str) -> tuple[ServerProcess, str]:
     """A launch.rollout_server on a tiny random checkpoint (the run pushes its own weights before use)."""
     from miles_fn import model, prng
 
@@ -46,7 +46,7 @@ def start_server(tmp_path) -> tuple[ServerProcess, str]:
 
     def command(port: int, first: bool) -> list[str]:
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", str(tmp_path / "init"),
-                "--port", str(port), "--num-threads", "1", "--watch-parent"]
+                "--port", str(port), "--num-threads", "1", "--watch-parent", *extra]
 
     server = ServerProcess(command, str(tmp_path / "server.log"), 120, cwd=ROOT)
     return server, server.start()
@@ -71,6 +71,22 @@ def test_http_backend_against_a_server_the_test_started_matches_in_process(embed
     assert [r["weight_version"] for r in ref_metrics] == [1, 2]  # step k samples come from weights after k-1 updates
     # The trainer's log-probs of the served tokens, before the step's update, match the server's.
     assert all(0 <= r["mismatch_mean"] < 1e-4 for r in metrics(tmp_path / "run"))
+
+
+def test_true_on_policy_over_http_gives_the_trainers_log_probs_bit_for_bit(tmp_path):
+    # The run starts its server with the trainer's invariant kernels: the mismatch is exactly zero.
+    p = run_main(tmp_path / "owned", "--rollout_backend=http", "--true_on_policy")
+    summary(p)
+    rows = metrics(tmp_path / "owned")
+    assert rows and all(r["mismatch_mean"] == 0.0 and r["mismatch_max"] == 0.0 for r in rows), rows
+    # A server started without them is refused by name, before anything is trained.
+    server, url = start_server(tmp_path)
+    try:
+        p = run_main(tmp_path / "plain", "--rollout_backend=http", f"--rollout_url={url}", "--true_on_policy")
+    finally:
+        server.stop()
+    assert p.returncode != 0 and f"--rollout_url={url}" in p.stderr and "--enable-deterministic-inference" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "plain" / "metrics.jsonl").exists()
 
 
 def test_server_killed_mid_batch_is_restarted_and_the_run_resumes_in_place(embedded, tmp_path):

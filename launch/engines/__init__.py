@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Any
 
+from absl import logging
+
 import ops
 from launch.engines.base import Engine, EngineError
 from launch.engines.config import RolloutConfig
@@ -20,10 +22,16 @@ def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir:
     if rcfg.backend == "embedded":
         return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg)
     if rcfg.backend == "http":
-        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version)
+        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg)
     if rcfg.backend == "sglang":
         from launch.engines.sglang_backend import make_sglang_engine
 
+        if ops_cfg.invariant:
+            # SGLang's deterministic inference is batch-invariant, but with its kernels, not ops.INVARIANT:
+            # its tokens do not depend on the batch, yet its log-probs differ from the trainer's in the last bits.
+            logging.warning("--true_on_policy with --rollout_backend=sglang: SGLang runs its own deterministic "
+                            "kernels, so mismatch_* will be small but not exactly 0 (exactly 0 needs "
+                            "--rollout_backend=embedded or http)")
         return make_sglang_engine(rcfg, mcfg, params, output_dir, version)
     raise ValueError(f"--rollout_backend={rcfg.backend}: expected embedded, http or sglang")
 
@@ -57,8 +65,29 @@ def _fault_args(fault: str, first: bool) -> list[str]:
     return ["--debug-fail-start"] if mode == "crash_permanent" else []
 
 
+def server_ops_args(ops_cfg: ops.OpsConfig) -> list[str]:
+    """launch.rollout_server flags that make it run the trainer's kernels."""
+    if not ops_cfg.invariant:
+        return []
+    return ["--enable-deterministic-inference", "--invariant-tile-rows", str(ops_cfg.tile_rows),
+            "--invariant-kv-block", str(ops_cfg.kv_block)]
+
+
+def check_server_ops(info: dict[str, Any], ops_cfg: ops.OpsConfig, url: str) -> None:
+    """Refuse a server whose kernels are not the trainer's invariant ones when the run is true on-policy."""
+    if not ops_cfg.invariant:
+        return
+    want = {"tile_rows": ops_cfg.tile_rows, "kv_block": ops_cfg.kv_block}
+    if not info.get("deterministic_inference") or info.get("invariant_ops") != want:
+        raise EngineError(
+            f"--rollout_url={url}: --true_on_policy needs the server to run the trainer's batch-invariant kernels "
+            f"({want}), but it reports deterministic_inference={info.get('deterministic_inference')}, "
+            f"invariant_ops={info.get('invariant_ops')}; start it with python -m launch.rollout_server "
+            f"{' '.join(server_ops_args(ops_cfg))}")
+
+
 def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,
-                 version: int) -> Engine:
+                 version: int, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> Engine:
     from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync, tensor_sync
     from launch.engines.weight_group import DistributedSync
     from state import hf
@@ -72,7 +101,13 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
     common = dict(sync=sync, batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight,
                   recovery=recovery)
     if rcfg.url:
-        return RemoteEngine(mcfg, params, version, url=rcfg.url, **common)
+        engine = RemoteEngine(mcfg, params, version, url=rcfg.url, **common)
+        try:
+            check_server_ops(engine.client.model_info(), ops_cfg, rcfg.url)
+        except EngineError:
+            engine.close()
+            raise
+        return engine
     _fault_args(rcfg.server_fault, True)  # validate before starting anything
     init = os.path.abspath(os.path.join(wdir, "init"))
     hf.save_hf(init, mcfg, params)
@@ -80,7 +115,7 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
     def command(port: int, first: bool) -> list[str]:
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
-                "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent",
+                "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent", *server_ops_args(ops_cfg),
                 *_fault_args(rcfg.server_fault, first)]
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
