@@ -85,10 +85,27 @@ def generate_rows(
     pad = (~key_valid[:, :lp]).to(torch.int64)
     positions = torch.clamp(torch.arange(lp)[None, :] - pad.sum(-1, keepdim=True), min=0)
 
-    cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
+    # Prefill each distinct prompt once (a GRPO batch repeats every prompt group-size times) and
+    # copy its cache rows and last logits to the requests that share it.
+    first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
+    src: list[int] = []  # the first request of each distinct prompt
+    for i, p in enumerate(prompts):
+        if first.setdefault(tuple(p), len(first)) == len(src):
+            src.append(i)
     causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
     mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
-    logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg)[:, -1]
+    cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
+    if len(src) == b:
+        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg)[:, -1]
+    else:
+        row_of = torch.tensor([first[tuple(p)] for p in prompts], dtype=torch.int64)
+        s_idx = torch.tensor(src, dtype=torch.int64)
+        pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
+        logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
+                               ops_cfg=ops_cfg)[:, -1][row_of]
+        for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
+            ck[:, :, :lp] = pk[row_of]
+            cv[:, :, :lp] = pv[row_of]
 
     # Every step's key, and its Gumbel noise in chunks of steps, in a few vectorised calls
     # instead of two Threefry evaluations (~200 small ops) per step: same values, since a

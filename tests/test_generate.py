@@ -77,3 +77,26 @@ def test_stop_tokens_and_max_new_tokens():
         assert not any(t in (3, 4) for t in toks[:-1])
         assert reason == ("stop" if toks[-1] in (3, 4) else "length")
         assert reason == "stop" or len(toks) == 5
+
+
+def test_repeated_prompts_are_prefilled_once_and_sample_as_if_alone(hf_models):
+    # A GRPO batch repeats each prompt group-size times; the engine prefills each distinct prompt once.
+    # Under the invariant kernels every request must still get the bits it gets in a batch of its own.
+    import ops
+
+    _, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    prompts = [PROMPTS[i] for i in (0, 0, 2, 1, 2, 0, 3, 3)]
+    sc = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    gen = generate(params, cfg, prompts, prng.key(5), sc, ops_cfg=ops.INVARIANT)
+    assert len(set(map(tuple, gen.tokens))) > 1  # the copies sample different responses (own keys)
+    for i, p in enumerate(prompts):
+        alone = generate(params, cfg, [p], prng.key(5), sc, [i], ops_cfg=ops.INVARIANT)
+        assert alone.tokens[0] == gen.tokens[i] and alone.logprobs[0] == gen.logprobs[i]
+    # the reference kernels: the same tokens, log-probs to float tolerance
+    fast = generate(params, cfg, prompts, prng.key(5), sc)
+    for i, p in enumerate(prompts):
+        alone = generate(params, cfg, [p], prng.key(5), sc, [i])
+        assert alone.tokens[0] == fast.tokens[i]
+        torch.testing.assert_close(torch.tensor(fast.logprobs[i]), torch.tensor(alone.logprobs[0]), atol=1e-5,
+                                   rtol=0)
