@@ -76,6 +76,9 @@ flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_b
 
 # Loss
 flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
+flags.DEFINE_boolean("shared_prefix", True, "Train a group's samples with their common prefix (the prompt) run "
+                     "once: the same gradient for fewer tokens (bitwise the same log-probs with --true_on_policy); "
+                     "packed micro-batches keep the plain forward.")
 flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
 flags.DEFINE_float("kl_coef", 0.0, "Weight of the KL to the initial policy (0 = no reference).", lower_bound=0.0)
 flags.DEFINE_enum("loss_agg", "token_mean", list(AGG_MODES), "Loss aggregation (see miles_fn.losses.aggregate).")
@@ -369,6 +372,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         kl_coef=f.kl_coef,
         loss_agg=f.loss_agg,
         temperature=sampling.logprob_temperature,
+        shared_prefix=f.shared_prefix,
     )
     return RunConfig(
         seed=f.seed,
@@ -432,6 +436,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             lam=f.lam,
             normalize_std=f.normalize_advantage_std,
             temperature=sampling.logprob_temperature,
+            shared_prefix=f.shared_prefix,
         ),
         shaping=RolloutShaping(f.dynamic_sampling, f.dynamic_sampling_max_rounds, f.overlong_buffer,
                                f.overlong_penalty_factor, f.critic_lr),

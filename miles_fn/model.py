@@ -14,7 +14,7 @@ weight sync are renames, not transposes. Biases exist only when cfg.attention_bi
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -100,7 +100,11 @@ def _block(
     cache: tuple[torch.Tensor, torch.Tensor] | None,
     cache_start: int,
     oc: ops.OpsConfig,
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_out: list | None = None,
 ) -> torch.Tensor:
+    """One decoder layer. prefix_kv: keys/values [B, Hkv, P, D] (rotated) placed before this call's own,
+    as a shared prompt's (shared_prefix_logits); kv_out, when given, receives this call's own (k, v)."""
     b, t, _ = x.shape
     d = cfg.dim_head
     h = ops.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, oc)
@@ -114,6 +118,10 @@ def _block(
         ck[:, :, cache_start : cache_start + t] = k
         cv[:, :, cache_start : cache_start + t] = v
         k, v = ck[:, :, : cache_start + t], cv[:, :, : cache_start + t]
+    if kv_out is not None:
+        kv_out.append((k, v))
+    if prefix_kv is not None:
+        k, v = torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2)
     a = ops.attention(q, k, v, mask, oc).transpose(1, 2).reshape(b, t, cfg.num_heads * d)
     x = x + ops.linear(a, p["wo"], None, oc)
     h = ops.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, oc)
@@ -207,10 +215,15 @@ def sequence_logprobs(
     temperature: float = 1.0,
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1]."""
-    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)
-    return ops.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature, ops_cfg)
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1].
+
+    group_ids [B]: rows of a group (GRPO's samples of one prompt) run their common prefix once
+    (shared_prefix_logits); the same log-probs, bit for bit under ops.INVARIANT.
+    """
+    logits = next_token_logits(params, cfg, tokens, positions, segment_ids, ops_cfg, group_ids)
+    return ops.token_logprobs(logits, tokens[:, 1:], temperature, ops_cfg)
 
 
 def sequence_logprobs_and_entropy(
@@ -222,10 +235,108 @@ def sequence_logprobs_and_entropy(
     temperature: float = 1.0,
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    group_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence_logprobs, full-vocabulary entropy of each next-token distribution), both [B, T-1], one forward."""
-    logits = forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)[:, :-1]
+    logits = next_token_logits(params, cfg, tokens, positions, segment_ids, ops_cfg, group_ids)
     return ops.token_logprobs(logits, tokens[:, 1:], temperature, ops_cfg), ops.token_entropy(logits, temperature)
+
+
+def next_token_logits(
+    params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE, group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits [B, T-1, V]: column t predicts tokens[:, t+1]. With group_ids, by the shared-prefix forward
+    where it applies (plain right-padded rows, no recomputation, a prefix to share)."""
+    if group_ids is not None and not cfg.recompute and not ops_cfg.compile:
+        layout = shared_prefix_layout(tokens, segment_ids, group_ids)
+        if layout is not None:
+            return shared_prefix_logits(params, cfg, tokens, positions, segment_ids, layout, ops_cfg=ops_cfg)
+    return forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)[:, :-1]
+
+
+class PrefixLayout(NamedTuple):
+    """Which rows share which prefix: group g is the rows with row_group == g, and its first
+    prefix_len[g] tokens are those of row prefix_rows[g] (every row of it keeps >= 1 token of its own)."""
+
+    prefix_rows: torch.Tensor  # [G]
+    prefix_len: torch.Tensor  # [G]
+    row_group: torch.Tensor  # [B]
+
+
+def shared_prefix_layout(tokens: torch.Tensor, segment_ids: torch.Tensor, group_ids: torch.Tensor
+                         ) -> PrefixLayout | None:
+    """The longest prefix the rows of each group (by group_ids) have in common, capped at each row's
+    length - 1; None where sharing cannot apply or saves nothing (packed rows, every prefix empty)."""
+    with torch.no_grad():
+        if segment_ids.numel() == 0 or int(segment_ids.max()) > 1 or tokens.shape[1] < 2:
+            return None  # packed rows (several segments a row) keep the plain forward
+        b, t = tokens.shape
+        lengths = (segment_ids != 0).sum(-1)
+        if bool((segment_ids != (torch.arange(t) < lengths[:, None]).to(segment_ids.dtype)).any()):
+            return None  # not right-padded
+        _, row_group = torch.unique(group_ids, return_inverse=True)
+        g = int(row_group.max()) + 1
+        rows = torch.arange(b)
+        first = torch.full((g,), b, dtype=torch.int64).scatter_reduce(0, row_group, rows, "amin")
+        rep = first[row_group]
+        cols = torch.arange(t)
+        same = (tokens == tokens[rep]) & (cols < torch.minimum(lengths, lengths[rep])[:, None])
+        common = torch.cumprod(same.to(torch.int64), -1).sum(-1)
+        cap = torch.minimum(common, (lengths - 1).clamp(min=0))
+        plen = torch.full((g,), t, dtype=torch.int64).scatter_reduce(0, row_group, cap, "amin")
+        if int(plen.max()) == 0 or g == b:
+            return None
+        return PrefixLayout(first, plen, row_group)
+
+
+def shared_prefix_logits(
+    params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor,
+    layout: PrefixLayout, *, ops_cfg: ops.OpsConfig = ops.REFERENCE,
+) -> torch.Tensor:
+    """next_token_logits with each group's common prefix run once, as one row of a prefix stream,
+    and each row's own tokens as a row of a suffix stream whose attention sees the prefix's keys.
+
+    A GRPO group of G samples of one P-token prompt costs P + sum of response lengths tokens
+    instead of G * P + the same: the gradient is the same sum (the prefix's activations collect
+    every sample's share). A query sees the same ordered keys as in its own row (valid prefix
+    columns, then its own), so under ops.INVARIANT the logits are the plain forward's bit for bit.
+    """
+    b, t = tokens.shape
+    lengths = (segment_ids != 0).sum(-1)
+    plen_row = layout.prefix_len[layout.row_group]  # [B]
+    pm = int(layout.prefix_len.max())
+    own = lengths - plen_row
+    rm = max(int(own.max()), 1)
+    dev = tokens.device
+    cp, cr = torch.arange(pm, device=dev), torch.arange(rm, device=dev)
+    # prefix stream [G, pm]: causal over the group's valid prefix columns
+    p_tok, p_pos = tokens[layout.prefix_rows, :pm], positions[layout.prefix_rows, :pm]
+    p_valid = cp[None] < layout.prefix_len[:, None]
+    eye_p, eye_r = torch.eye(pm, dtype=torch.bool, device=dev), torch.eye(rm, dtype=torch.bool, device=dev)
+    p_mask = (torch.tril(torch.ones(pm, pm, dtype=torch.bool, device=dev))[None] & p_valid[:, None]) | eye_p[None]
+    # suffix stream [B, rm]: the row's tokens after its group's prefix; keys = prefix columns, then its own
+    idx = (plen_row[:, None] + cr[None]).clamp(max=t - 1)
+    r_tok, r_pos = tokens.gather(1, idx), positions.gather(1, idx)
+    r_valid = cr[None] < own[:, None]
+    r_self = (torch.tril(torch.ones(rm, rm, dtype=torch.bool, device=dev))[None] & r_valid[:, None]) | eye_r[None]
+    r_mask = torch.cat([(cp[None, None] < plen_row[:, None, None]).expand(b, rm, pm), r_self], -1)
+    x_p, x_r = params["embed"][p_tok], params["embed"][r_tok]
+    cos_p, sin_p = ops.rope_cos_sin(p_pos, cfg.dim_head, cfg.rope_theta)
+    cos_r, sin_r = ops.rope_cos_sin(r_pos, cfg.dim_head, cfg.rope_theta)
+    for layer in params["layers"]:
+        kv: list = []
+        x_p = _block(layer, cfg, x_p, cos_p, sin_p, p_mask, None, 0, ops_cfg, kv_out=kv)
+        (pk, pv), = kv
+        x_r = _block(layer, cfg, x_r, cos_r, sin_r, r_mask, None, 0, ops_cfg,
+                     prefix_kv=(pk[layout.row_group], pv[layout.row_group]))
+    head = params.get("lm_head", params["embed"])
+    logits_p = ops.linear(ops.rms_norm(x_p, params["final_norm"], cfg.rms_norm_eps, ops_cfg), head, None, ops_cfg)
+    logits_r = ops.linear(ops.rms_norm(x_r, params["final_norm"], cfg.rms_norm_eps, ops_cfg), head, None, ops_cfg)
+    both = torch.cat([logits_p[layout.row_group], logits_r], 1)  # [B, pm + rm, V]
+    c = torch.arange(t - 1, device=dev)[None]
+    src = torch.where(c < plen_row[:, None], c, pm + (c - plen_row[:, None]).clamp(max=rm - 1))
+    return both.gather(1, src[..., None].expand(b, t - 1, both.shape[-1]))
 
 
 def sequence_values(

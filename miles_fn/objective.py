@@ -43,6 +43,7 @@ class ObjectiveConfig:
     lam: float = 0.95
     normalize_std: bool = True
     temperature: float = 1.0
+    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_logits)
 
     def __post_init__(self) -> None:
         for name, table, flag in ((self.advantage_estimator, adv_lib.ESTIMATORS, "advantage_estimator"),
@@ -128,10 +129,11 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig, ops_cfg: ops.
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # no randomness in the loss
         args = (params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature)
+        gids = train.group_ids_for_sharing(batch, cfg.shared_prefix)
         if cfg.entropy_coef > 0:
-            logp, entropy = model.sequence_logprobs_and_entropy(*args, ops_cfg=ops_cfg)
+            logp, entropy = model.sequence_logprobs_and_entropy(*args, ops_cfg=ops_cfg, group_ids=gids)
         else:
-            logp, entropy = model.sequence_logprobs(*args, ops_cfg=ops_cfg), None
+            logp, entropy = model.sequence_logprobs(*args, ops_cfg=ops_cfg, group_ids=gids), None
         packed = isinstance(batch, packing.PackedBatch)
         mask = batch.loss_mask
         norm = None if packed else normalizer(batch, cfg.loss_agg, cfg.max_response_len)

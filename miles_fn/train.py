@@ -203,6 +203,13 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     loss_agg: str = "token_mean"
     temperature: float = 1.0
+    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_logits)
+
+
+def group_ids_for_sharing(batch: Any, shared_prefix: bool) -> torch.Tensor | None:
+    """The group ids the shared-prefix forward groups rows by: a RolloutBuffer's (one row a sample)
+    when asked; None for packed micro-batches, whose rows hold several samples."""
+    return batch.group_ids if shared_prefix and isinstance(batch, RolloutBuffer) else None
 
 
 def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.OpsConfig = ops.REFERENCE,
@@ -217,7 +224,8 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.O
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # the policy loss draws no randomness
         logp = model.sequence_logprobs(
-            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature, ops_cfg=ops_cfg
+            params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature, ops_cfg=ops_cfg,
+            group_ids=group_ids_for_sharing(batch, cfg.shared_prefix),
         )
         correct = offpolicy_cfg is not None and offpolicy_cfg.correction != "none"
         old = logp.detach() if correct else batch.old_logprobs
