@@ -122,8 +122,9 @@ def generate_rows(
     for t in range(n_new):
         if sampling.temperature > 0 and t % chunk == 0:
             noise = prng.gumbel(step_keys[:, t : t + chunk], (vocab,))  # [B, chunk, V]
-        tok, _ = sample_with_noise(logits, None if noise is None else noise[:, t % chunk], sampling)
-        lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, ops_cfg)  # the trainer's op
+        tok, lps = sample_with_noise(logits, None if noise is None else noise[:, t % chunk], sampling)
+        if ops_cfg.invariant:  # the reference token_logprobs is sample_with_noise's own log_softmax + gather
+            lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, ops_cfg)  # the trainer's op
         if sampling.stop_token_ids:
             live = ~done
             tok = torch.where(live, tok, 0)

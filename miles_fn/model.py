@@ -186,7 +186,7 @@ def _forward(
     x = params["embed"][tokens]
     if keep:
         acts["embed"] = x
-    cos, sin = ops.rope_cos_sin(positions, cfg.dim_head, cfg.rope_theta)
+    cos, sin = ops.rope_tables(positions, cfg.dim_head, cfg.rope_theta, x.dtype)
     for i, layer in enumerate(params["layers"]):
         if cfg.recompute and cache is None and torch.is_grad_enabled():
             x = _recomputed_block(layer, cfg, x, cos, sin, mask, oc)
@@ -322,8 +322,8 @@ def shared_prefix_logits(
     r_self = (torch.tril(torch.ones(rm, rm, dtype=torch.bool, device=dev))[None] & r_valid[:, None]) | eye_r[None]
     r_mask = torch.cat([(cp[None, None] < plen_row[:, None, None]).expand(b, rm, pm), r_self], -1)
     x_p, x_r = params["embed"][p_tok], params["embed"][r_tok]
-    cos_p, sin_p = ops.rope_cos_sin(p_pos, cfg.dim_head, cfg.rope_theta)
-    cos_r, sin_r = ops.rope_cos_sin(r_pos, cfg.dim_head, cfg.rope_theta)
+    cos_p, sin_p = ops.rope_tables(p_pos, cfg.dim_head, cfg.rope_theta, x_p.dtype)
+    cos_r, sin_r = ops.rope_tables(r_pos, cfg.dim_head, cfg.rope_theta, x_r.dtype)
     for layer in params["layers"]:
         kv: list = []
         x_p = _block(layer, cfg, x_p, cos_p, sin_p, p_mask, None, 0, ops_cfg, kv_out=kv)

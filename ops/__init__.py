@@ -11,7 +11,7 @@ from ops.config import INVARIANT, REFERENCE, OpsConfig, require_backends
 from ops.linear import linear
 from ops.logprob import token_entropy, token_logprobs
 from ops.norm import rms_norm
-from ops.rope import apply_rope, rope_cos_sin
+from ops.rope import apply_rope, rope_cos_sin, rope_tables
 
 __all__ = ("attention", "linear", "token_logprobs", "token_entropy", "rms_norm", "apply_rope", "rope_cos_sin",
-           "silu", "OpsConfig", "REFERENCE", "INVARIANT", "require_backends")
+           "rope_tables", "silu", "OpsConfig", "REFERENCE", "INVARIANT", "require_backends")

@@ -1,6 +1,6 @@
 """Linear layers in the Hugging Face weight layout ([out, in]).
 
-reference: one torch.matmul over all rows. The BLAS picks its kernel (and so its
+reference: one F.linear (GEMM and bias in one call) over all rows. The BLAS picks its kernel (and so its
 reduction order over `in`) from the row count: on this machine's MKL a call with 1-7
 rows rounds differently from one with 16+, so a row's output depends on its batch.
 
@@ -13,6 +13,7 @@ kernel with the same reduction order, wherever it sits and however many tiles th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ops.config import REFERENCE, OpsConfig
 
@@ -26,7 +27,7 @@ def linear(
     elif cfg.invariant:
         y = _TiledLinear.apply(x, weight, cfg.tile_rows)
     else:
-        y = torch.matmul(x, weight.t())
+        return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
 

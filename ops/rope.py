@@ -14,12 +14,19 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What apply_rope takes, once per forward: cos and the signed sin [-sin | sin], as [B, 1, T, D].
+
+    rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s] = roll(x, D/2) * signed sin, exactly
+    (a sign flip rounds nothing), so apply_rope needs one roll instead of a split, a negation and a cat.
+    """
+    cos, sin = rope_cos_sin(positions, head_dim, theta)
+    h = head_dim // 2
+    signed = torch.cat([-sin[..., :h], sin[..., h:]], dim=-1)
+    return cos.unsqueeze(-3).to(dtype), signed.unsqueeze(-3).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos/sin: [B, T, D]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos, signed_sin: [B, 1, T, D] from rope_tables. Equals x*cos + rotate_half(x)*sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
