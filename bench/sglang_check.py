@@ -6,8 +6,9 @@ Without --model_path a small random Qwen2 checkpoint is written (no download; id
 tokenizer). Each step: one batch through SGLang's /generate, the trainer's teacher-forced log-probs
 of the same tokens (miles_fn.model on the GPU, float32), the mismatch |engine - trainer| per token,
 then perturbed weights pushed with /update_weights_from_disk under the next version. Reports the
-mismatch, tokens per second, and the weight version every sample carried. Exits 0 with a "skip"
-line when CUDA or sglang is missing.
+mismatch, tokens per second, and the weight version every sample carried. Exits 1 when a step's
+samples do not all carry that step's weight version or the mean mismatch exceeds --max_mismatch
+(weights that did not arrive show up as both); 0 with a "skip" line when CUDA or sglang is missing.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max_new_tokens", type=int, default=64)
     ap.add_argument("--true_on_policy", action="store_true")
+    ap.add_argument("--max_mismatch", type=float, default=0.05,
+                    help="fail above this mean |engine - trainer| log-prob (SGLang's kernels are not ops.*)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not third_party.cuda_available():
@@ -39,6 +42,7 @@ def main() -> int:
         print("skip: sglang is not installed (pip install 'miles-fn[gpu]')")
         return 0
 
+    import ops
     from launch.engines.base import make_requests
     from launch.engines.config import RolloutConfig
     from launch.engines.sglang_backend import make_sglang_engine
@@ -61,6 +65,7 @@ def main() -> int:
     startup = time.time() - t0
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
     gpu = params
+    ops_cfg = ops.INVARIANT if args.true_on_policy else ops.REFERENCE  # the trainer's kernels of such a run
     rows = []
     try:
         for step in range(args.steps):
@@ -78,7 +83,8 @@ def main() -> int:
                     toks = torch.tensor([p + s.tokens], device="cuda")
                     n = toks.shape[1]
                     lp = model.sequence_logprobs(dev_params, cfg, toks, torch.arange(n, device="cuda")[None],
-                                                 torch.ones(1, n, dtype=torch.int64, device="cuda"))[0, len(p) - 1 :]
+                                                 torch.ones(1, n, dtype=torch.int64, device="cuda"),
+                                                 ops_cfg=ops_cfg)[0, len(p) - 1 :]
                     diffs.append((lp.cpu() - torch.tensor(s.logprobs)).abs())
             d = torch.cat(diffs)
             rows.append({"step": step, "weight_version": sorted({s.weight_version for s in samples}),
@@ -97,6 +103,11 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    bad = [r["step"] for r in rows
+           if r["weight_version"] != [r["step"]] or r["logprob_abs_diff_mean"] > args.max_mismatch]
+    if bad:
+        print(f"FAIL: steps {bad} carry another weight version or a mean mismatch above {args.max_mismatch}")
+        return 1
     return 0
 
 
