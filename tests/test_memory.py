@@ -105,3 +105,19 @@ def test_offload_around_the_embedded_engine_moves_only_the_optimizer_state():
         assert engine.params is not None and holder.state.params is None
     assert tree_hash(holder.state) == before
     assert holder.state.params is engine.params  # the params the engine generated from, not a second copy
+
+
+def test_the_planner_budgets_torch_func_grads_larger_peak(monkeypatch):
+    # With 1 GiB free and no margin, the budget is free / bytes-a-token; torch.func.grad (no --recompute)
+    # gets twice the estimate a token, measured 1.8x plain autograd's peak in bench.packing.
+    from launch import memory as launch_memory
+    from miles_fn.memory import MemoryConfig
+
+    monkeypatch.setattr(launch_memory, "free_bytes", lambda device: memory.GIB)
+    bpt = memory.activation_bytes_per_token(CFG, 64, recompute=False)
+    cfg = MemoryConfig(max_tokens_per_micro_batch=10**9, pack_row_len=64)
+    budget, _ = launch_memory.plan_budget(cfg, CFG, [64], torch.device("cpu"))
+    assert budget == memory.GIB // (2 * bpt)
+    rbpt = memory.activation_bytes_per_token(CFG, 64, recompute=True)
+    budget, _ = launch_memory.plan_budget(MemoryConfig(10**9, 64, recompute=True), CFG, [64], torch.device("cpu"))
+    assert budget == memory.GIB // rbpt
