@@ -21,10 +21,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def sampled_pass_at_k(engine: Engine, prompts: Sequence[Sequence[int]], labels: Sequence[Any],
-                      score: Callable[[list[int], Any], float], sampling: SamplingConfig, n: int, ks: Sequence[int]
-                      ) -> dict[str, float]:
-    """Mean pass@k over prompts, n samples each (a sample passes when score > 0)."""
+                      score: Callable[[list[list[int]], list[list[int]], list[Any]], Sequence[float]],
+                      sampling: SamplingConfig, n: int, ks: Sequence[int]) -> dict[str, float]:
+    """Mean pass@k over prompts, n samples each (a sample passes when its score > 0).
+
+    score(prompts, responses, labels) scores every sample at once, as a rollout is scored."""
     reqs = [list(p) for p in prompts for _ in range(n)]
     batch = generate_batch(engine, reqs, prng.key(PASS_K_STREAM), sampling)
-    correct = [sum(score(batch.tokens[i * n + j], labels[i]) > 0 for j in range(n)) for i in range(len(prompts))]
+    scores = list(score(reqs, batch.tokens, [lab for lab in labels for _ in range(n)]))
+    correct = [sum(scores[i * n + j] > 0 for j in range(n)) for i in range(len(prompts))]
     return {f"eval_pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(prompts) for k in ks}

@@ -162,6 +162,12 @@ flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / 
 flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
 flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function stops the run, or scores 0.")
 flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
+flags.DEFINE_string("eval_data", "", "JSONL held-out prompts (same keys as --prompt_data) for evaluation: greedy, "
+                    "generated and scored as the run's rollouts are; needs --prompt_data. Without it a "
+                    "--prompt_data run skips evaluation (nan).")
+flags.register_multi_flags_validator(
+    ["eval_data", "prompt_data"], lambda v: not v["eval_data"] or bool(v["prompt_data"]),
+    "--eval_data needs --prompt_data (the task's own held-out pairs are its evaluation set otherwise)")
 flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
 flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
 flags.DEFINE_float("over_sampling", 1.0, "Draw this many times --prompts_per_step and train on the groups whose "
@@ -472,6 +478,7 @@ def rollout_config_from_flags() -> RolloutConfig:
         custom_reward_fn=f.custom_reward_fn,
         reward_errors=f.reward_errors,
         prompt_data=f.prompt_data,
+        eval_data=f.eval_data,
         input_key=f.input_key,
         label_key=f.label_key,
         save_rollouts=f.save_rollouts,

@@ -24,6 +24,7 @@ import third_party
 from launch import data, debug, modes, partial, profiling, resume, rl, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
+from launch import rollout as rollout_lib
 from launch import sft as sft_data
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
@@ -63,6 +64,7 @@ class Job:
     rollout_task: Any = None  # what rollouts draw prompts from: the task, or --prompt_data's tokenizer
     pool: partial.Pool | None = None  # --partial_rollouts: the unfinished groups carried between steps
     ahead_rollout: Any = None  # --async_rollout: (buffer, stats) of the next step, generated ahead
+    eval_set: Any = None  # --eval_data: (prompt ids, labels) of its first --eval_size rows
 
 
 class NoEngine:
@@ -134,18 +136,44 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads, ops_cfg=cfg.ops)
     pool = partial.Pool() if cfg.modes.partial_rollouts else None
-    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size), rollout_task=rollout_task, pool=pool)
+    eval_set = None
+    if cfg.rollout.eval_data:
+        prompts, labels = rollout_lib.eval_prompts(rollout_task, cfg.rollout)  # DataError names file:line
+        eval_set = (prompts[: cfg.eval_size], labels[: cfg.eval_size])
+    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size), rollout_task=rollout_task, pool=pool,
+               eval_set=eval_set)
 
 
 def evaluate(job: Job) -> float:
-    """Exact-answer success rate of greedy decoding on the held-out prompts (NaN without an engine)."""
-    task = job.task
-    if job.cfg.modes.debug_train_only:
+    """Held-out success of greedy decoding: the task's held-out pairs, or --eval_data scored as the run's
+    rollouts are (NaN without an engine, or for a --prompt_data run without --eval_data)."""
+    task, cfg = job.task, job.cfg
+    if cfg.modes.debug_train_only or (cfg.rollout.prompt_data and job.eval_set is None):
         return float("nan")
+    if job.eval_set is not None:
+        prompts, labels = job.eval_set
+        greedy = dataclasses.replace(cfg.sampling, temperature=0.0)
+        col = rollout_lib.generate_and_score(job.engine, job.rollout_task, cfg.rollout, greedy, prng.key(EVAL_STREAM),
+                                             prompts, labels)
+        return sum(col.rewards) / len(col.rewards)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
                             stop_token_ids=(task.tokenizer.eos_id,))
     gen = generate_batch(job.engine, [task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
     return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs, strict=True)) / len(job.eval_pairs)
+
+
+def eval_pass_at_k(job: Job) -> dict[str, float]:
+    """--eval_pass_k: pass@1 and pass@k of sampled responses on the evaluation set of `evaluate`."""
+    cfg, k = job.cfg, job.cfg.rollout.eval_pass_k
+    if job.eval_set is not None:
+        prompts, labels = job.eval_set
+        score = lambda ps, rs, labs: rollout_lib.score(job.rollout_task, cfg.rollout, ps, rs, labs)[0]  # noqa: E731
+    elif cfg.rollout.prompt_data:
+        return {}
+    else:
+        prompts, labels = [job.task.prompt_ids(*p) for p in job.eval_pairs], job.eval_pairs
+        score = lambda ps, rs, labs: [job.task.reward(r, lab) for r, lab in zip(rs, labs, strict=True)]  # noqa: E731
+    return sampled_pass_at_k(job.engine, prompts, labels, score, cfg.sampling, k, (1, k))
 
 
 def sft_batch(task: AdditionTask, key: prng.Key, n: int) -> RolloutBuffer:
@@ -337,9 +365,7 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         if evaluating and not cfg.modes.debug_train_only:
             metrics["eval_success"] = last_eval = cur.last_eval = evaluate(job)
             if cfg.rollout.eval_pass_k:
-                metrics.update(sampled_pass_at_k(job.engine, [job.task.prompt_ids(*p) for p in job.eval_pairs],
-                                                 job.eval_pairs, job.task.reward, cfg.sampling,
-                                                 cfg.rollout.eval_pass_k, (1, cfg.rollout.eval_pass_k)))
+                metrics.update(eval_pass_at_k(job))
         writer.write(step + 1, metrics)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and not rollout_only:
             save_checkpoint(job)

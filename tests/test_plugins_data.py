@@ -167,6 +167,37 @@ def test_main_runs_a_jsonl_dataset_with_the_calculator_plugins(tmp_path):
     assert p.returncode != 0 and f"{d}:2:" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_eval_data_is_evaluated_as_the_runs_rollouts_are_scored(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"input": f"{a}+{b}=", "label": 1}) + "\n" for a, b in [(1, 2), (3, 4)]))
+    base = ["--num_steps=1", "--sft_warmup_steps=0", "--eval_every=0", "--eval_size=3", "--prompts_per_step=2",
+            "--group_size=2", "--hidden_size=32", "--intermediate_size=48", "--noprogress", "--notensorboard",
+            "--num_threads=1", f"--prompt_data={train}", "--custom_reward_fn=tests.loop_mode_plugins:label_is_one"]
+
+    def run(name, *extra):
+        return subprocess.run([sys.executable, "-m", "launch.main", *base, f"--output_dir={tmp_path / name}", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    def evals(p):
+        assert p.returncode == 0, p.stderr[-2000:]
+        vals = dict(kv.split("=", 1) for kv in p.stdout.strip().splitlines()[-1].split())
+        return vals["eval_success_init"], vals["eval_success_final"]
+
+    # the reward is the row's label: the eval set's labels decide the score, through the run's reward fn
+    for label, want in ((1, "1.0000"), (0, "0.0000")):
+        ev = tmp_path / f"eval{label}.jsonl"
+        ev.write_text("".join(json.dumps({"input": f"{a}+{a}=", "label": label}) + "\n" for a in range(5)))
+        assert evals(run(f"e{label}", f"--eval_data={ev}", "--eval_pass_k=2")) == (want, want)
+    assert evals(run("none")) == ("nan", "nan")  # no held-out data: no made-up number
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "1+1=", "label": 1}\n{"label": 1}\n')
+    p = run("bad", f"--eval_data={bad}")
+    assert p.returncode != 0 and f"{bad}:2:" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "launch.main", f"--eval_data={bad}", f"--output_dir={tmp_path}/x"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--eval_data needs --prompt_data" in p.stderr
+
+
 def test_training_from_saved_rollouts_reproduces_the_run(tmp_path):
     base = ["--num_steps=2", "--sft_warmup_steps=1", "--eval_every=0", "--eval_size=4", "--prompts_per_step=2",
             "--group_size=2", "--hidden_size=32", "--intermediate_size=48", "--noprogress", "--notensorboard",
@@ -210,8 +241,8 @@ def test_sampled_pass_at_k_counts_passing_samples_per_prompt():
         def generate(self, requests, sampling):
             return [Sample([r.rid % 4 % 2], [0.0], "stop", 0) for r in requests]
 
-    out = sampled_pass_at_k(Alternating(), [[1], [1, 2]], [None, None], lambda toks, lab: float(toks == [0]),
-                            SamplingConfig(), 4, (1, 2))
+    out = sampled_pass_at_k(Alternating(), [[1], [1, 2]], [None, None],
+                            lambda ps, rs, labs: [float(r == [0]) for r in rs], SamplingConfig(), 4, (1, 2))
     assert out == {"eval_pass@1": 0.5, "eval_pass@2": 1 - 1 / 6}
 
 

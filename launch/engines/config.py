@@ -27,6 +27,7 @@ class RolloutConfig:
     custom_reward_fn: str = ""  # module:function
     reward_errors: str = "raise"  # raise | zero
     prompt_data: str = ""  # JSONL path
+    eval_data: str = ""  # JSONL path of held-out prompts, evaluated as --prompt_data rollouts are scored
     input_key: str = "input"
     label_key: str = "label"
     save_rollouts: str = ""  # DIR: write each RL step's buffer (launch/rollout_io.py)
