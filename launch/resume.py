@@ -34,6 +34,7 @@ from state.train_state import TrainState
 # thread count changes the order of float reductions) must equal the checkpoint's.
 RESUMABLE_FLAGS = frozenset({
     "output_dir", "num_steps", "save_every", "tensorboard", "progress", "eval_every", "eval_size", "eval_pass_k",
+    "eval_data",
     "resume", "snapshot_steps", "debug_nan_at_step", "debug_block_at",
     # where the rollout server is and how to recover it; host offload; OOM retries (only when memory runs out)
     "rollout_url", "sglang_url", "rollout_timeout_s", "rollout_max_restarts", "rollout_backoff_s",
