@@ -330,13 +330,15 @@ def shared_prefix_logits(
         (pk, pv), = kv
         x_r = _block(layer, cfg, x_r, cos_r, sin_r, r_mask, None, 0, ops_cfg,
                      prefix_kv=(pk[layout.row_group], pv[layout.row_group]))
-    head = params.get("lm_head", params["embed"])
-    logits_p = ops.linear(ops.rms_norm(x_p, params["final_norm"], cfg.rms_norm_eps, ops_cfg), head, None, ops_cfg)
-    logits_r = ops.linear(ops.rms_norm(x_r, params["final_norm"], cfg.rms_norm_eps, ops_cfg), head, None, ops_cfg)
-    both = torch.cat([logits_p[layout.row_group], logits_r], 1)  # [B, pm + rm, V]
+    # Column c of a row predicts token c+1 from the prefix stream's hidden state at c (c < the prefix
+    # length) or from the suffix stream's at c - prefix length; the head then runs once a column, as
+    # in the plain forward (gathering hidden states, not logits, keeps [B, prefix, vocab] unmade).
+    both = torch.cat([x_p[layout.row_group], x_r], 1)  # [B, pm + rm, H]
     c = torch.arange(t - 1, device=dev)[None]
     src = torch.where(c < plen_row[:, None], c, pm + (c - plen_row[:, None]).clamp(max=rm - 1))
-    return both.gather(1, src[..., None].expand(b, t - 1, both.shape[-1]))
+    x = both.gather(1, src[..., None].expand(b, t - 1, both.shape[-1]))
+    x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ops_cfg)
+    return ops.linear(x, params.get("lm_head", params["embed"]), None, ops_cfg)
 
 
 def sequence_values(
