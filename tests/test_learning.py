@@ -5,7 +5,8 @@ least double and gain 0.15 (5 standard errors of a 256-prompt estimate), which n
 gradients point the wrong way or whose rewards, advantages or masks are misaligned can do.
 The bound is relative to step 0 because the trajectory depends on the CPU: MKL picks its GEMM
 kernels (and so the rounding) by instruction set, so the same seed learns at different speeds on
-different machines (measured at 250 steps: 0.137 -> 0.754 on one AMD EPYC, 0.102 -> 0.277 on another).
+different machines (measured at 250 steps, before --shared_prefix: 0.137 -> 0.754 on an AVX2 EPYC, 0.102 -> 0.277
+on another machine).
 """
 
 import os
