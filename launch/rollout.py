@@ -73,14 +73,18 @@ def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: p
         pairs = task.sample_pairs(data_key, n)
         return [task.prompt_ids(*p) for p in pairs], pairs
     rows = data.cached_jsonl(rcfg.prompt_data, rcfg.input_key, rcfg.label_key)
-    picked = data.rows_at(rows, prng.fold_in(root_key, DATA_ORDER_STREAM), start, n)
+    return encode_rows(data.rows_at(rows, prng.fold_in(root_key, DATA_ORDER_STREAM), start, n), task, rcfg.prompt_data)
+
+
+def encode_rows(rows: Sequence[data.PromptRow], task: Any, path: str) -> tuple[list[list[int]], list[Any]]:
+    """(prompt ids, labels) of dataset rows; a row that cannot be encoded is named by file and line."""
     ids = []
-    for r in picked:
+    for r in rows:
         try:
             ids.append(data.encode_prompt(r.prompt, task.tokenizer))
         except (ValueError, DataError) as e:
-            raise DataError(f"{rcfg.prompt_data}:{r.line}: {e}") from None
-    return ids, [r.label for r in picked]
+            raise DataError(f"{path}:{r.line}: {e}") from None
+    return ids, [r.label for r in rows]
 
 
 def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingConfig, data_key: prng.Key,
@@ -166,14 +170,7 @@ def generate_and_score(engine: Engine, task: Any, rcfg: RolloutConfig, sampling:
 
 def eval_prompts(task: Any, rcfg: RolloutConfig) -> tuple[list[list[int]], list[Any]]:
     """(prompt ids, labels) of every --eval_data row; a row that cannot be encoded is named by file and line."""
-    rows = data.cached_jsonl(rcfg.eval_data, rcfg.input_key, rcfg.label_key)
-    ids = []
-    for r in rows:
-        try:
-            ids.append(data.encode_prompt(r.prompt, task.tokenizer))
-        except (ValueError, DataError) as e:
-            raise DataError(f"{rcfg.eval_data}:{r.line}: {e}") from None
-    return ids, [r.label for r in rows]
+    return encode_rows(data.cached_jsonl(rcfg.eval_data, rcfg.input_key, rcfg.label_key), task, rcfg.eval_data)
 
 
 def score(task: Any, rcfg: RolloutConfig, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
