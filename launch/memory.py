@@ -64,7 +64,7 @@ def offloaded(holder: Any, enabled: bool) -> Iterator[None]:
     state = holder.state
     device = state_device(state)
     if getattr(engine, "computes_on_trainer_params", False):
-        keep = _params_of(state)
+        keep = state.params  # ActorCriticState.params is the policy's
         holder.state = memory.offload(_with_params(state, None))
         del state  # the generator's frame would otherwise hold the device moments through the body
         try:
@@ -83,11 +83,6 @@ def offloaded(holder: Any, enabled: bool) -> Iterator[None]:
         holder.state = memory.reload(holder.state, device)
         if engine_copy and engine.params is not None:
             engine.params = holder.state.params
-
-
-def _params_of(state: Any) -> Any:
-    """The policy params of a TrainState or of PPO's ActorCriticState."""
-    return state.policy.params if isinstance(state, ActorCriticState) else state.params
 
 
 def _with_params(state: Any, params: Any) -> Any:

@@ -285,7 +285,7 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
                     return self._send(200, {})
                 if path in ("/get_model_info", "/model_info"):
                     return self._send(200, {"model_path": "miles-fn", "is_generation": True,
-                                            "weight_version": str(state.version), **ops_info(state.ops_cfg)})
+                                            "weight_version": str(state.version), **sglang_api.ops_info(state.ops_cfg)})
                 if path in ("/get_weight_version", "/weight_version"):
                     return self._send(200, {"weight_version": str(state.version)})
                 if method != "POST":
@@ -335,12 +335,6 @@ def server_ops(deterministic: bool, tile_rows: int, kv_block: int) -> ops.OpsCon
     if not deterministic:
         return ops.REFERENCE
     return ops.OpsConfig(mode="invariant", tile_rows=tile_rows, kv_block=kv_block)
-
-
-def ops_info(oc: ops.OpsConfig) -> dict[str, Any]:
-    """What /get_model_info says of the kernels, so a client can check they are the trainer's."""
-    return {"deterministic_inference": oc.invariant,
-            "invariant_ops": {"tile_rows": oc.tile_rows, "kv_block": oc.kv_block} if oc.invariant else None}
 
 
 def watch_parent(parent: int) -> None:

@@ -89,8 +89,10 @@ def generate_rows(
     # copy its cache rows and last logits to the requests that share it.
     first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
     src: list[int] = []  # the first request of each distinct prompt
+    row_of: list[int] = []  # each request's distinct prompt
     for i, p in enumerate(prompts):
-        if first.setdefault(tuple(p), len(first)) == len(src):
+        row_of.append(first.setdefault(tuple(p), len(first)))
+        if row_of[-1] == len(src):
             src.append(i)
     causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
     mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
@@ -98,14 +100,14 @@ def generate_rows(
     if len(src) == b:
         logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg)[:, -1]
     else:
-        row_of = torch.tensor([first[tuple(p)] for p in prompts], dtype=torch.int64)
+        rows = torch.tensor(row_of, dtype=torch.int64)
         s_idx = torch.tensor(src, dtype=torch.int64)
         pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
         logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
-                               ops_cfg=ops_cfg)[:, -1][row_of]
+                               ops_cfg=ops_cfg)[:, -1][rows]
         for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
-            ck[:, :, :lp] = pk[row_of]
-            cv[:, :, :lp] = pv[row_of]
+            ck[:, :, :lp] = pk[rows]
+            cv[:, :, :lp] = pv[rows]
 
     # Every step's key, and its Gumbel noise in chunks of steps, in a few vectorised calls
     # instead of two Threefry evaluations (~200 small ops) per step: same values, since a

@@ -154,10 +154,7 @@ def _micro_batch_grads(
                 f"out of memory on a micro-batch of {n} samples, {mb.tokens.numel()} tokens after {depth} "
                 f"splits (--max_oom_splits={max_oom_splits}); lower --max_tokens_per_micro_batch: {e}"
             ) from e
-        failed = True
     else:
-        failed = False
-    if not failed:
         yield g, loss, aux
         return
     if torch.cuda.is_available():

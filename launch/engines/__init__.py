@@ -77,11 +77,13 @@ def check_server_ops(info: dict[str, Any], ops_cfg: ops.OpsConfig, url: str) -> 
     """Refuse a server whose kernels are not the trainer's invariant ones when the run is true on-policy."""
     if not ops_cfg.invariant:
         return
-    want = {"tile_rows": ops_cfg.tile_rows, "kv_block": ops_cfg.kv_block}
-    if not info.get("deterministic_inference") or info.get("invariant_ops") != want:
+    from launch.engines.sglang_api import ops_info
+
+    want = ops_info(ops_cfg)
+    if any(info.get(k) != v for k, v in want.items()):
         raise EngineError(
             f"--rollout_url={url}: --true_on_policy needs the server to run the trainer's batch-invariant kernels "
-            f"({want}), but it reports deterministic_inference={info.get('deterministic_inference')}, "
+            f"({want['invariant_ops']}), but it reports deterministic_inference={info.get('deterministic_inference')}, "
             f"invariant_ops={info.get('invariant_ops')}; start it with python -m launch.rollout_server "
             f"{' '.join(server_ops_args(ops_cfg))}")
 

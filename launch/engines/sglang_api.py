@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+import ops
 from launch.engines.base import EngineError, Request, Sample
 from miles_fn.sampling import SamplingConfig
 
@@ -57,6 +58,12 @@ def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
         "no_stop_trim": True,
         "sampling_seed": seed,
     }
+
+
+def ops_info(oc: ops.OpsConfig) -> dict[str, Any]:
+    """What /get_model_info says of the kernels, so a client can check they are the trainer's."""
+    return {"deterministic_inference": oc.invariant,
+            "invariant_ops": {"tile_rows": oc.tile_rows, "kv_block": oc.kv_block} if oc.invariant else None}
 
 
 def generate_body(requests: Sequence[Request], sampling: SamplingConfig, seed_mask: int | None = None
