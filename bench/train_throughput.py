@@ -3,8 +3,10 @@ of the float32 matmul peak, both measured in the same run.
 
 Model FLOPs (the usual accounting): forward = 2 * (matmul parameters, lm_head included) per token
 + 4 * layers * T * (heads * head_dim) per token for attention scores and values over a row of
-T tokens; forward+backward = 3x forward. The peak is the best of a few large float32 matmuls
-(torch.mm, 2048^3) on the same thread count, taken before and after; the training times
+T tokens; forward+backward = 3x forward. A row of T tokens is T - 1 computed tokens: the last
+predicts nothing and the trainer leaves it out, so counting it would flatter the fraction.
+The peak is the best of a few large float32 matmuls (torch.mm, 2048^3) on the same thread
+count, taken before and after; the training times
 are the best of their repeats too, so that a busy machine biases neither side of the fraction.
 """
 
@@ -16,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.func import grad
 
 from bench import common
 from miles_fn import model, optim, prng, train
@@ -52,8 +53,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def train_flops(cfg: ModelConfig, rows: int, t: int) -> float:
-    fwd_per_token = 2 * matmul_params(cfg) + 4 * cfg.num_layers * t * cfg.num_heads * cfg.dim_head
-    return 3.0 * fwd_per_token * rows * t
+    fwd_per_token = 2 * matmul_params(cfg) + 4 * cfg.num_layers * (t - 1) * cfg.num_heads * cfg.dim_head
+    return 3.0 * fwd_per_token * rows * (t - 1)
 
 
 def batch(cfg: ModelConfig, rows: int, t: int) -> RolloutBuffer:
@@ -73,7 +74,7 @@ def measure(cfg: ModelConfig, rows: int, t: int, repeats: int) -> dict[str, floa
     loss_fn = train.make_grpo_loss(cfg, PolicyLossConfig())
     ocfg = optim.OptimConfig(lr=1e-4)
     key = prng.key(2)
-    fwd_bwd = lambda: grad(lambda p: loss_fn(p, buf, key)[0])(params)
+    fwd_bwd = lambda: train.loss_and_grad(params, buf, key, loss_fn)  # the train step's gradient
     step = lambda: train.train_step(state, buf, key, loss_fn, ocfg)
     fwd_bwd(), step()  # warm-up
     t_fb, t_step = [], []

@@ -18,11 +18,6 @@ from miles_fn.optim import OptimConfig
 from state.train_state import ActorCriticState, RolloutBuffer, TrainState
 from state.tree import tree_leaves
 
-# torch.func.grad, the gradient without --recompute, keeps every backward intermediate until it returns:
-# bench.packing measured its peak at 1.8x plain autograd's (53.0 vs 29.1 MiB at 2048 tokens), which
-# activation_bytes_per_token models, so the planner budgets twice the estimate for it.
-FUNC_GRAD_FACTOR = 2
-
 
 class MemoryPlanError(Exception):
     """The memory flags leave no micro-batch that fits: reported as one line naming the flags."""
@@ -94,9 +89,7 @@ def _with_params(state: Any, params: Any) -> Any:
 def plan_budget(cfg: MemoryConfig, model_cfg: ModelConfig, lengths: list[int], device: torch.device) -> tuple[int, int]:
     """(token budget, row length) for this step: the flags, capped so activations fit in free memory less the margin."""
     row_len = cfg.pack_row_len or max(lengths)
-    bpt = memory.activation_bytes_per_token(model_cfg, row_len, cfg.recompute)
-    if not cfg.recompute:
-        bpt *= FUNC_GRAD_FACTOR  # the estimate is plain autograd's; the default gradient is torch.func.grad's
+    bpt = memory.activation_bytes_per_token(model_cfg, row_len, cfg.recompute)  # plain autograd's, the gradient's
     try:
         budget = memory.plan_token_budget(cfg.max_tokens_per_micro_batch, free_bytes(device), cfg.memory_margin_gb,
                                           bpt)
@@ -124,23 +117,20 @@ def train_update(
 
     With --true_on_policy the micro-batches are the step's fixed gradient tiles (`gradient_tiles`),
     so the update, loss and metrics are bitwise the same under any budget that holds a tile
-    (`token_budget` itself excepted). With --recompute the gradient comes from plain autograd
-    (train.loss_and_grad says why).
+    (`token_budget` itself excepted).
     """
     if not cfg.max_tokens_per_micro_batch:
-        if cfg.recompute:
-            return train.train_step_accumulated(state, [buf], key, loss_fn, optim_cfg, 0, None, use_autograd=True)
         return train.train_step(state, buf, key, loss_fn, optim_cfg)
     lengths = packing.sample_lengths(buf.segment_ids)
     budget, row_len = plan_budget(cfg, model_cfg, lengths, state_device(state))
     if cfg.grad_tile_tokens:
         micro_batches = gradient_tiles(cfg, buf, lengths, budget)
         state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg, 0,
-                                                      logging.warning, use_autograd=cfg.recompute, fixed_order=True)
+                                                      logging.warning, fixed_order=True)
     else:
         micro_batches = packing.pack(buf, budget, row_len)
         state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
-                                                      cfg.max_oom_splits, logging.warning, use_autograd=cfg.recompute)
+                                                      cfg.max_oom_splits, logging.warning)
     padded = sum(mb.tokens.numel() for mb in micro_batches)
     metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
     return state, metrics

@@ -14,6 +14,7 @@ import torch
 
 import ops
 from miles_fn import model, prng
+from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig, sample_with_noise
 
@@ -77,13 +78,9 @@ def generate_rows(
     if tuple(row_keys.shape) != (b, 2):
         raise ValueError(f"generate: row_keys must have shape [{b}, 2], got {tuple(row_keys.shape)}")
 
-    prompt_tok = torch.zeros(b, lp, dtype=torch.int64)
-    key_valid = torch.ones(b, total, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        prompt_tok[i, lp - len(p) :] = torch.as_tensor(p, dtype=torch.int64)
-        key_valid[i, : lp - len(p)] = False
-    pad = (~key_valid[:, :lp]).to(torch.int64)
-    positions = torch.clamp(torch.arange(lp)[None, :] - pad.sum(-1, keepdim=True), min=0)
+    prompt_tok = place_rows(prompts, lp - lens, lp)  # left-padded
+    key_valid = torch.arange(total)[None] >= (lp - lens)[:, None]
+    positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
 
     # Prefill each distinct prompt once (a GRPO batch repeats every prompt group-size times) and
     # copy its cache rows and last logits to the requests that share it.
@@ -144,10 +141,9 @@ def generate_rows(
         pos = (lens + t)[:, None]
         logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col, ops_cfg=ops_cfg)[:, -1]
 
-    tokens, logprobs, reasons = [], [], []
-    for i in range(b):
-        n = int(n_out[i])
-        tokens.append(out_tok[i, :n].tolist())
-        logprobs.append(out_lp[i, :n].tolist())
-        reasons.append("stop" if n and tokens[-1][-1] in sampling.stop_token_ids else "length")
+    counts, all_tok, all_lp = n_out.tolist(), out_tok.tolist(), out_lp.tolist()  # one conversion each
+    tokens = [row[:n] for row, n in zip(all_tok, counts, strict=True)]
+    logprobs = [row[:n] for row, n in zip(all_lp, counts, strict=True)]
+    stops = set(sampling.stop_token_ids)
+    reasons = ["stop" if t and t[-1] in stops else "length" for t in tokens]
     return Generation(tokens, logprobs, reasons)

@@ -14,6 +14,7 @@ weight sync are renames, not transposes. Biases exist only when cfg.attention_bi
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -206,6 +207,10 @@ def _compiled_forward():
     return torch.compile(_forward, dynamic=True)
 
 
+# A per-column function of the head's output: (logits [..., C, V], targets [..., C]) -> tensors [..., C].
+ColumnFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
 def sequence_logprobs(
     params: Params,
     cfg: ModelConfig,
@@ -220,10 +225,11 @@ def sequence_logprobs(
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1].
 
     group_ids [B]: rows of a group (GRPO's samples of one prompt) run their common prefix once
-    (shared_prefix_logits); the same log-probs, bit for bit under ops.INVARIANT.
+    (shared_prefix_columns); the same log-probs, bit for bit under ops.INVARIANT.
     """
-    logits = next_token_logits(params, cfg, tokens, positions, segment_ids, ops_cfg, group_ids)
-    return ops.token_logprobs(logits, tokens[:, 1:], temperature, ops_cfg)
+    (lp,) = next_token_columns(params, cfg, tokens, positions, segment_ids,
+                               lambda lg, tg: (ops.token_logprobs(lg, tg, temperature, ops_cfg),), ops_cfg, group_ids)
+    return lp
 
 
 def sequence_logprobs_and_entropy(
@@ -238,21 +244,28 @@ def sequence_logprobs_and_entropy(
     group_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence_logprobs, full-vocabulary entropy of each next-token distribution), both [B, T-1], one forward."""
-    logits = next_token_logits(params, cfg, tokens, positions, segment_ids, ops_cfg, group_ids)
-    return ops.token_logprobs(logits, tokens[:, 1:], temperature, ops_cfg), ops.token_entropy(logits, temperature)
+    lp, ent = next_token_columns(
+        params, cfg, tokens, positions, segment_ids,
+        lambda lg, tg: (ops.token_logprobs(lg, tg, temperature, ops_cfg), ops.token_entropy(lg, temperature)),
+        ops_cfg, group_ids)
+    return lp, ent
 
 
-def next_token_logits(
+def next_token_columns(
     params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor,
-    ops_cfg: ops.OpsConfig = ops.REFERENCE, group_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Logits [B, T-1, V]: column t predicts tokens[:, t+1]. With group_ids, by the shared-prefix forward
-    where it applies (plain right-padded rows, no recomputation, a prefix to share)."""
+    fn: ColumnFn, ops_cfg: ops.OpsConfig = ops.REFERENCE, group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """fn(logits, targets) for each column t < T-1, whose logits predict targets = tokens[:, t+1]: each [B, T-1].
+    With group_ids, by the shared-prefix forward where it applies (plain right-padded rows, no
+    recomputation, a prefix to share)."""
     if group_ids is not None and not cfg.recompute and not ops_cfg.compile:
         layout = shared_prefix_layout(tokens, segment_ids, group_ids)
         if layout is not None:
-            return shared_prefix_logits(params, cfg, tokens, positions, segment_ids, layout, ops_cfg=ops_cfg)
-    return forward(params, cfg, tokens, positions, causal_segment_mask(segment_ids), ops_cfg=ops_cfg)[:, :-1]
+            return shared_prefix_columns(params, cfg, tokens, positions, segment_ids, layout, fn, ops_cfg=ops_cfg)
+    # The last column predicts nothing and, under a causal mask, changes no other column: leave it out.
+    logits = forward(params, cfg, tokens[:, :-1], positions[:, :-1], causal_segment_mask(segment_ids[:, :-1]),
+                     ops_cfg=ops_cfg)
+    return fn(logits, tokens[:, 1:])
 
 
 class PrefixLayout(NamedTuple):
@@ -290,23 +303,27 @@ def shared_prefix_layout(tokens: torch.Tensor, segment_ids: torch.Tensor, group_
         return PrefixLayout(first, plen, row_group)
 
 
-def shared_prefix_logits(
+def shared_prefix_columns(
     params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor,
-    layout: PrefixLayout, *, ops_cfg: ops.OpsConfig = ops.REFERENCE,
-) -> torch.Tensor:
-    """next_token_logits with each group's common prefix run once, as one row of a prefix stream,
+    layout: PrefixLayout, fn: ColumnFn, *, ops_cfg: ops.OpsConfig = ops.REFERENCE,
+) -> tuple[torch.Tensor, ...]:
+    """next_token_columns with each group's common prefix run once, as one row of a prefix stream,
     and each row's own tokens as a row of a suffix stream whose attention sees the prefix's keys.
 
-    A GRPO group of G samples of one P-token prompt costs P + sum of response lengths tokens
-    instead of G * P + the same: the gradient is the same sum (the prefix's activations collect
-    every sample's share). A query sees the same ordered keys as in its own row (valid prefix
+    A GRPO group of G samples of one P-token prompt costs P + sum of (response length - 1) tokens
+    instead of G * P + sum of response lengths: the gradient is the same sum (the prefix's activations
+    collect every sample's share). A query sees the same ordered keys as in its own row (valid prefix
     columns, then its own), so under ops.INVARIANT the logits are the plain forward's bit for bit.
+    The head runs once a group on the columns inside the prefix too (they predict the group's common
+    tokens), and once a row only from the prefix's last column on.
     """
     b, t = tokens.shape
     lengths = (segment_ids != 0).sum(-1)
     plen_row = layout.prefix_len[layout.row_group]  # [B]
     pm = int(layout.prefix_len.max())
-    own = lengths - plen_row
+    # A row's own tokens that a logit needs: all but its last, which predicts nothing and is a key
+    # to no later query of its row (a GRPO response is a few tokens, so this is a large share).
+    own = lengths - plen_row - 1
     rm = max(int(own.max()), 1)
     dev = tokens.device
     cp, cr = torch.arange(pm, device=dev), torch.arange(rm, device=dev)
@@ -330,15 +347,26 @@ def shared_prefix_logits(
         (pk, pv), = kv
         x_r = _block(layer, cfg, x_r, cos_r, sin_r, r_mask, None, 0, ops_cfg,
                      prefix_kv=(pk[layout.row_group], pv[layout.row_group]))
-    # Column c of a row predicts token c+1 from the prefix stream's hidden state at c (c < the prefix
-    # length) or from the suffix stream's at c - prefix length; the head then runs once a column, as
-    # in the plain forward (gathering hidden states, not logits, keeps [B, prefix, vocab] unmade).
-    both = torch.cat([x_p[layout.row_group], x_r], 1)  # [B, pm + rm, H]
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ops_cfg)
+        return ops.linear(x, params.get("lm_head", params["embed"]), None, ops_cfg)
+
+    # Row column c predicts token c+1. For c < the prefix length - 1 that is a prefix token, the same
+    # for every row of the group: fn runs on the prefix stream, and its values are copied per row. From
+    # c = prefix length - 1 (the prefix's last column, then the suffix stream's) it runs once a row.
+    x_own = torch.cat([x_p[layout.row_group, plen_row - 1][:, None], x_r], 1)  # [B, rm + 1, H]
+    own_targets = tokens.gather(1, (plen_row[:, None] + torch.arange(rm + 1, device=dev)[None]).clamp(max=t - 1))
     c = torch.arange(t - 1, device=dev)[None]
-    src = torch.where(c < plen_row[:, None], c, pm + (c - plen_row[:, None]).clamp(max=rm - 1))
-    x = both.gather(1, src[..., None].expand(b, t - 1, both.shape[-1]))
-    x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ops_cfg)
-    return ops.linear(x, params.get("lm_head", params["embed"]), None, ops_cfg)
+    j = (c - (plen_row[:, None] - 1)).clamp(0, rm)
+    in_prefix = c < plen_row[:, None] - 1
+    row_vals = fn(head(x_own), own_targets)
+    if pm < 2:  # no column lies inside a prefix
+        return tuple(v.gather(1, j) for v in row_vals)
+    prefix_vals = fn(head(x_p[:, : pm - 1]), p_tok[:, 1:pm])
+    pc = c.clamp(max=pm - 2).expand(b, t - 1)
+    return tuple(torch.where(in_prefix, pv[layout.row_group].gather(1, pc), rv.gather(1, j))
+                 for pv, rv in zip(prefix_vals, row_vals, strict=True))
 
 
 def sequence_values(

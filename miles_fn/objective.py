@@ -43,7 +43,7 @@ class ObjectiveConfig:
     lam: float = 0.95
     normalize_std: bool = True
     temperature: float = 1.0
-    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_logits)
+    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_columns)
 
     def __post_init__(self) -> None:
         for name, table, flag in ((self.advantage_estimator, adv_lib.ESTIMATORS, "advantage_estimator"),

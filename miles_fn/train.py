@@ -38,7 +38,7 @@ def train_step(
     Non-finite gradients skip the update (the state is returned unchanged but for
     nothing) and report `finite = 0`, so the caller can snapshot the step.
     """
-    grads, (loss, aux) = grad(lambda p: _with_loss_aux(loss_fn(p, batch, key)), has_aux=True)(state.params)
+    grads, (loss, aux) = loss_and_grad(state.params, batch, key, loss_fn)
     return apply_gradients(state, grads, loss, aux, optim_cfg)
 
 
@@ -65,7 +65,7 @@ def train_step_accumulated(
     optim_cfg: optim.OptimConfig,
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
-    use_autograd: bool = False,
+    use_autograd: bool = True,
     fixed_order: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One update from gradients summed over micro-batches: the same update as the whole batch at once.
@@ -96,7 +96,7 @@ def accumulate_gradients(
     loss_fn: LossFn,
     max_oom_splits: int = 3,
     log: Callable[[str], None] | None = None,
-    use_autograd: bool = False,
+    use_autograd: bool = True,
     fixed_order: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"}).
@@ -168,15 +168,16 @@ def _micro_batch_grads(
 
 
 def loss_and_grad(
-    params: Any, batch: Any, key: prng.Key, loss_fn: LossFn, use_autograd: bool = False
+    params: Any, batch: Any, key: prng.Key, loss_fn: LossFn, use_autograd: bool = True
 ) -> tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(d loss / d params, (loss, aux)) of loss_fn(params, batch, key); params are not modified.
 
-    torch.func.grad by default. use_autograd=True differentiates with torch.autograd.grad through
-    detached leaf copies of params (same values, same gradient): torch.func.grad runs its backward
-    with create_graph=True, which keeps every backward intermediate, and every activation that
-    recomputation (--recompute) rebuilds, alive until it returns; plain autograd frees them layer by
-    layer, so only it turns recomputation into lower peak memory.
+    By default torch.autograd.grad through detached leaf copies of params (the same values, so a
+    pure function of its inputs). use_autograd=False takes torch.func.grad instead, for callers that
+    compose it with other torch.func transforms; it runs its backward with create_graph=True, which
+    keeps every backward intermediate (and every activation --recompute rebuilds) alive until it
+    returns: 1.8x autograd's peak and about 11% slower on the default step (bench.packing, README).
+    The two gradients agree to rounding (tests/test_packing.py), not bit for bit.
     """
     if not use_autograd:
         return grad(lambda p: _with_loss_aux(loss_fn(p, batch, key)), has_aux=True)(params)
@@ -200,7 +201,7 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     loss_agg: str = "token_mean"
     temperature: float = 1.0
-    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_logits)
+    shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_columns)
 
 
 def group_ids_for_sharing(batch: Any, shared_prefix: bool) -> torch.Tensor | None:

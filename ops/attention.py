@@ -1,7 +1,8 @@
 """Attention with an explicit boolean mask (GQA: fewer key/value heads than query heads).
 
-reference: SDPA, whose kernel and reduction order depend on the call's shapes (Tq = 1
-decode vs prefill, padded width), so a query's output depends on its batch.
+reference: SDPA, or for small calls with several queries two batched matmuls (grouped_attention);
+either's reduction order depends on the call's shapes (Tq = 1 decode vs prefill, padded width), so
+a query's output depends on its batch.
 
 invariant (kv_block > 1): each query reduces over *its own* allowed keys, taken in key order and laid
 out by rank (the r-th allowed key goes to slot r), in fixed blocks of `kv_block` slots:
@@ -42,6 +43,9 @@ def attention(
     if cfg.attention_backend != "torch":
         return flash_varlen_attention(q, k, v, mask, cfg)
     if not cfg.invariant:
+        b, h, tq, _ = q.shape
+        if tq > 1 and b * h * tq * k.shape[2] <= _GROUPED_MAX_SCORES:
+            return grouped_attention(q, k, v, mask)
         # enable_gqa maps query head h to key/value head h // groups inside the kernel, bit-identical
         # to repeating k and v per group, without copying the whole KV cache every decode step.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
@@ -51,6 +55,26 @@ def attention(
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return _InvariantAttention.apply(q, k, v, mask, cfg.kv_block)
+
+
+# Above this many scores (64 MiB of float32) the reference path keeps SDPA, which never makes them all.
+_GROUPED_MAX_SCORES = 1 << 24
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention by two batched matmuls, each key/value head's query group stacked as rows.
+
+    For the many short rows of an RL batch (a few tokens each), SDPA's CPU kernel pays per (row, head)
+    block, forward and backward; this pays per (row, key/value head) and differentiates as matmuls:
+    half the time of SDPA's forward+backward at the train step's shapes (bench/rl_step.py). It makes
+    the [B, H, Tq, Tk] scores, so `attention` uses it for small calls with several queries only.
+    """
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = h // hkv
+    s = (q.reshape(b, hkv, g * tq, d) @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    s = s.view(b, hkv, g, tq, tk).masked_fill(~mask[:, None, None], float("-inf"))
+    return (torch.softmax(s, -1).view(b, hkv, g * tq, tk) @ v).view(b, h, tq, d)
 
 
 class _InvariantAttention(torch.autograd.Function):
