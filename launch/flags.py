@@ -79,6 +79,11 @@ flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=
 flags.DEFINE_boolean("shared_prefix", True, "Train a group's samples with their common prefix (the prompt) run "
                      "once: the same gradient for fewer tokens (bitwise the same log-probs with --true_on_policy); "
                      "packed micro-batches keep the plain forward.")
+flags.DEFINE_boolean("skip_zero_advantage_rows", True, "Train only the rows with a non-zero advantage (a group "
+                     "of equal rewards has none): the same update for less work, since those rows add exactly 0 to "
+                     "the loss and its gradient; the loss still divides by the whole batch's counts. Applies when "
+                     "every loss term scales with the advantage (no KL loss, no entropy bonus, no --custom_loss); "
+                     "the policy metrics are then over the trained rows (metric train_rows_frac).")
 flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
 flags.DEFINE_float("kl_coef", 0.0, "Weight of the KL to the initial policy (0 = no reference).", lower_bound=0.0)
 flags.DEFINE_enum("loss_agg", "token_mean", list(AGG_MODES), "Loss aggregation (see miles_fn.losses.aggregate).")
@@ -443,6 +448,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             normalize_std=f.normalize_advantage_std,
             temperature=sampling.logprob_temperature,
             shared_prefix=f.shared_prefix,
+            skip_zero_advantage_rows=f.skip_zero_advantage_rows,
         ),
         shaping=RolloutShaping(f.dynamic_sampling, f.dynamic_sampling_max_rounds, f.overlong_buffer,
                                f.overlong_penalty_factor, f.critic_lr),

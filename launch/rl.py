@@ -19,6 +19,7 @@ from launch import rollout
 from launch.engines.config import RolloutConfig
 from miles_fn import dapo, objective, prng, train
 from miles_fn.config import ModelConfig
+from miles_fn.rollout_buffer import gradient_rows
 from state.train_state import ActorCriticState, RolloutBuffer
 
 K_DYNAMIC = 3  # sub-key of a step's key for dynamic sampling's extra rounds (round 0 uses the plain keys)
@@ -91,8 +92,14 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
         _check_packable(cfg)
         policy_loss = objective.make_policy_loss(model_cfg, obj, cfg.ops, cfg.offpolicy)
 
+    skip = obj.skips_zero_advantage_rows and not cfg.custom_loss  # a custom loss may have terms of its own
+
     def policy_update(state: Any, buf: RolloutBuffer, key: prng.Key):
-        return launch_memory.train_update(cfg.memory, cfg.model, state, buf, key, policy_loss, cfg.optim)
+        rows = gradient_rows(buf) if skip else buf
+        state, metrics = launch_memory.train_update(cfg.memory, cfg.model, state, rows, key, policy_loss, cfg.optim)
+        if skip:
+            metrics["train_rows_frac"] = torch.tensor(rows.tokens.shape[0] / max(buf.tokens.shape[0], 1))
+        return state, metrics
 
     if not obj.uses_critic:
         return policy_update

@@ -44,6 +44,7 @@ class ObjectiveConfig:
     normalize_std: bool = True
     temperature: float = 1.0
     shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_columns)
+    skip_zero_advantage_rows: bool = False  # train only rollout_buffer.gradient_rows, where that is exact
 
     def __post_init__(self) -> None:
         for name, table, flag in ((self.advantage_estimator, adv_lib.ESTIMATORS, "advantage_estimator"),
@@ -61,6 +62,19 @@ class ObjectiveConfig:
     @property
     def kl_in_reward(self) -> bool:
         return self.kl_coef > 0 and not self.use_kl_loss
+
+    @property
+    def skips_zero_advantage_rows(self) -> bool:
+        """Whether the policy step trains on rollout_buffer.gradient_rows alone: asked for, and exact.
+
+        Exact when every term of the loss scales with the advantage (no KL loss, no entropy bonus;
+        a KL folded into the reward is in the advantage) and the normaliser is a count of the whole
+        batch (Dr. GRPO's N * T needs the fixed max_response_len, not the batch's width).
+        """
+        kl_loss = self.use_kl_loss and self.kl_coef > 0
+        norm_ok = self.loss_agg != "seq_mean_token_sum_norm" or self.max_response_len > 0
+        return (self.skip_zero_advantage_rows and not kl_loss and self.entropy_coef == 0 and norm_ok
+                and self.policy_loss in ADVANTAGE_SCALED_LOSSES)
 
     @property
     def clip(self) -> losses.ClipConfig:
@@ -82,6 +96,9 @@ def aggregate(per_token: torch.Tensor, batch: Any, mode: str, norm: Any = None) 
         return packing.aggregate(per_token, batch, mode)
     return losses.aggregate(per_token, batch.loss_mask, mode, norm)
 
+
+# Policy losses that are 0, with gradient 0, wherever the advantage is 0.
+ADVANTAGE_SCALED_LOSSES = ("ppo_clip", "dual_clip", "gspo", "pg")
 
 # What a packed micro-batch (--max_tokens_per_micro_batch) supports: packing.aggregate's modes, and
 # policy losses without a per-sequence reduction inside (GSPO's sequence ratio is per row there).

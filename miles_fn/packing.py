@@ -116,12 +116,19 @@ def plan(lengths: Sequence[int], max_tokens: int, row_len: int | None = None) ->
     return [rows[k : k + per_mb] for k in range(0, len(rows), per_mb)]
 
 
+def whole_batch_counts(buffer: RolloutBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss-mask tokens, samples) of the whole batch: the buffer's own, or the counts it carries
+    when it is a cut of a larger batch (rollout_buffer.gradient_rows)."""
+    if buffer.num_tokens is not None and buffer.num_samples is not None:
+        return buffer.num_tokens.to(torch.float32), buffer.num_samples.to(torch.float32)
+    return buffer.loss_mask.sum().to(torch.float32), torch.tensor(float(buffer.loss_mask.shape[0]))
+
+
 def pack(buffer: RolloutBuffer, max_tokens: int, row_len: int | None = None) -> list[PackedBatch]:
     """The batch as packed micro-batches under a budget of max_tokens padded tokens each."""
     lengths = sample_lengths(buffer.segment_ids)
     samples = [_cut(buffer, i, n) for i, n in enumerate(lengths)]
-    num_tokens = buffer.loss_mask.sum().to(torch.float32)
-    num_samples = torch.tensor(float(len(lengths)))
+    num_tokens, num_samples = whole_batch_counts(buffer)
     return [
         _build([[samples[i] for i in row] for row in rows], num_tokens, num_samples)
         for rows in plan(lengths, max_tokens, row_len)
@@ -139,8 +146,7 @@ def pad(buffer: RolloutBuffer, max_tokens: int) -> list[PackedBatch]:
     if width > max_tokens:
         raise ValueError(f"rows of {width} tokens exceed max_tokens_per_micro_batch={max_tokens}")
     samples = [_cut(buffer, i, n) for i, n in enumerate(lengths)]
-    num_tokens = buffer.loss_mask.sum().to(torch.float32)
-    num_samples = torch.tensor(float(len(lengths)))
+    num_tokens, num_samples = whole_batch_counts(buffer)
     per_mb = max_tokens // width
     return [
         _build([[x] for x in samples[k : k + per_mb]], num_tokens, num_samples, width)
@@ -197,11 +203,12 @@ def unpack(values: Sequence[torch.Tensor], batches: Sequence[PackedBatch], n: in
 
 
 def normalizer(batch: RolloutBuffer | PackedBatch, mode: str) -> torch.Tensor | None:
-    """The whole batch's count a micro-batch loss divides by, or None for a whole batch (local counts).
+    """The whole batch's count a loss divides by, or None for a whole batch (local counts).
 
-    token_mean -> loss-mask tokens of the whole batch; seq_mean_* -> its samples.
+    token_mean -> loss-mask tokens of the whole batch; seq_mean_* -> its samples. Set on every
+    micro-batch, and on a buffer cut to its gradient rows (rollout_buffer.gradient_rows).
     """
-    if not isinstance(batch, PackedBatch):
+    if batch.num_tokens is None or batch.num_samples is None:
         return None
     return batch.num_tokens if mode == "token_mean" else batch.num_samples
 
@@ -214,7 +221,8 @@ def aggregate(per_token: torch.Tensor, batch: RolloutBuffer | PackedBatch, mode:
     Summed over the micro-batches of a batch, either equals losses.aggregate on the whole batch.
     """
     if not isinstance(batch, PackedBatch):
-        return losses.aggregate(per_token, batch.loss_mask, mode)
+        d = normalizer(batch, mode)
+        return losses.aggregate(per_token, batch.loss_mask, mode, None if d is None else torch.clamp(d, min=1.0))
     mask = batch.loss_mask
     x = torch.where(mask > 0, per_token, torch.zeros_like(per_token))
     if mode == "token_mean":

@@ -22,10 +22,13 @@ def test_rollout_quick(tmp_path):
 def test_rl_step_quick(tmp_path, with_trl):
     out = rl_step.main(["--quick", f"--out={tmp_path / 'rl.json'}", *([] if with_trl else ["--no_trl"])])
     saved = json.loads((tmp_path / "rl.json").read_text())
-    assert saved["miles_fn"]["steps"] >= 1 and saved["miles_fn"]["seconds_per_step"] > 0
+    for name in ("miles_fn", "miles_fn_all_rows"):
+        assert saved[name]["steps"] >= 1 and saved[name]["seconds_per_step"] > 0
+    assert 0 < saved["miles_fn"]["train_rows_frac_mean"] <= 1
+    assert saved["miles_fn_all_rows"]["train_rows_frac_mean"] == 1
     assert saved["trl_skipped"] is (not with_trl)
     if with_trl:
-        assert saved["trl"]["steps"] >= 1 and saved["step_ratio"] > 0
+        assert saved["trl"]["steps"] >= 1 and saved["step_ratio"] > 0 and saved["step_ratio_all_rows"] > 0
     assert "miles-fn" in out["table"]
 
 
