@@ -16,10 +16,7 @@ import ops
 from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
-from miles_fn.sampling import SamplingConfig, sample_with_noise
-
-# Gumbel noise is drawn for this many [B, V] elements at a time (16 MiB of float32).
-_NOISE_CHUNK_ELEMENTS = 1 << 22
+from miles_fn.sampling import SamplingConfig, sample_with_uniform
 
 
 class Generation(NamedTuple):
@@ -106,23 +103,20 @@ def generate_rows(
             ck[:, :, :lp] = pk[rows]
             cv[:, :, :lp] = pv[rows]
 
-    # Every step's key, and its Gumbel noise in chunks of steps, in a few vectorised calls
-    # instead of two Threefry evaluations (~200 small ops) per step: same values, since a
-    # draw is a function of (key, counter) alone.
-    step_keys = prng.fold_in(row_keys[:, None], torch.arange(n_new))  # [B, n_new, 2]
-    vocab = logits.shape[-1]
-    chunk = max(1, min(n_new, _NOISE_CHUNK_ELEMENTS // (b * vocab)))
-    noise = None
+    # Every step's key and its uniform in two vectorised calls instead of two Threefry
+    # evaluations (~300 small ops) a step: the same values, as a draw is a function of
+    # (key, counter) alone.
+    uniforms = None
+    if sampling.temperature > 0:
+        uniforms = prng.uniform64(prng.fold_in(row_keys[None], torch.arange(n_new)[:, None]))  # [n_new, B]
     stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.int64)
     out_tok = torch.zeros(b, n_new, dtype=torch.int64)
     out_lp = torch.zeros(b, n_new, dtype=torch.float32)
     done = torch.zeros(b, dtype=torch.bool)
     n_out = torch.zeros(b, dtype=torch.int64)  # tokens per row, its stop token included
     for t in range(n_new):
-        if sampling.temperature > 0 and t % chunk == 0:
-            noise = prng.gumbel(step_keys[:, t : t + chunk], (vocab,))  # [B, chunk, V]
-        tok, lps = sample_with_noise(logits, None if noise is None else noise[:, t % chunk], sampling)
-        if ops_cfg.invariant:  # the reference token_logprobs is sample_with_noise's own log_softmax + gather
+        tok, lps = sample_with_uniform(logits, None if uniforms is None else uniforms[t], sampling)
+        if ops_cfg.invariant:  # the reference token_logprobs is sample_with_uniform's own log_softmax + gather
             lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, ops_cfg)  # the trainer's op
         if sampling.stop_token_ids:
             live = ~done

@@ -101,6 +101,21 @@ def uniform(k: Key, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     return ((bits(k, shape) >> 8).to(torch.float64) * (1.0 / (1 << 24))).to(dtype)
 
 
+def uniform64(k: Key, shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """Uniform float64 in [0, 1) with 53 random bits: both words of one Threefry call per element.
+
+    What inverse-CDF sampling needs: a 24-bit uniform would round every token's chance to a
+    multiple of 2**-24, a visible bias summed over a 150k-token vocabulary's tail.
+    """
+    _check(k)
+    n = math.prod(shape)
+    counters = torch.arange(n, dtype=torch.int64)
+    batch = k.shape[:-1]
+    y0, y1 = threefry2x32(k.reshape(*batch, 1, 2), counters, torch.zeros_like(counters))
+    u = ((y0 >> 11) * (1 << 32) + y1).to(torch.float64) * (1.0 / (1 << 53))
+    return u.reshape(*batch, *shape)
+
+
 def gumbel(k: Key, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Standard Gumbel noise; argmax(logits + gumbel) samples from softmax(logits)."""
     u = ((bits(k, shape) >> 8).to(torch.float64) + 0.5) * (1.0 / (1 << 24))

@@ -49,27 +49,35 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample(logits: torch.Tensor, keys: prng.Key, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [B, V] with per-row keys [B, 2] (Gumbel-max).
+    """One token per row of logits [B, V] with per-row keys [B, 2] (inverse CDF, one uniform a row).
 
     Returns (tokens [B], log-probs [B] under softmax(logits / logprob_temperature),
     before top-k/top-p truncation: the distribution the trainer recomputes).
     """
-    noise = None if cfg.temperature == 0 else prng.gumbel(keys, (logits.shape[-1],))
-    return sample_with_noise(logits, noise, cfg)
+    u = None if cfg.temperature == 0 else prng.uniform64(keys)
+    return sample_with_uniform(logits, u, cfg)
 
 
-def sample_with_noise(
-    logits: torch.Tensor, noise: torch.Tensor | None, cfg: SamplingConfig
+def sample_with_uniform(
+    logits: torch.Tensor, u: torch.Tensor | None, cfg: SamplingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` with its Gumbel noise [B, V] drawn beforehand (None when greedy).
+    """`sample` with its uniforms [B] in [0, 1) drawn beforehand (None when greedy).
 
-    The engine draws the noise of many steps in one vectorised call: the same values
-    as per-step draws, since Threefry is a function of (key, counter) alone.
+    The token is the first whose cumulative probability exceeds u. One random number a row, where
+    Gumbel-max needs one a vocabulary entry (150k Threefry calls a token for a real tokenizer).
+    The CDF is float64 and divided by its last entry, which is then exactly 1 > u: the pick is
+    always a token of non-zero probability, and the one a float64 reference of the CDF picks.
     """
     scaled = logits.to(torch.float32) / cfg.logprob_temperature
     logp = torch.log_softmax(scaled, dim=-1)
     if cfg.temperature == 0:
         tokens = torch.argmax(scaled, dim=-1)
     else:
-        tokens = torch.argmax(filter_logits(scaled, cfg.top_k, cfg.top_p) + noise, dim=-1)
+        if cfg.top_k > 0 or cfg.top_p < 1.0:
+            probs = torch.softmax(filter_logits(scaled, cfg.top_k, cfg.top_p), dim=-1)
+        else:
+            probs = logp.exp()
+        cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+        cdf = cdf / cdf[..., -1:]
+        tokens = torch.searchsorted(cdf, u.to(torch.float64).contiguous()[..., None], right=True).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -4,7 +4,7 @@ import torch
 
 from miles_fn import model, prng
 from miles_fn.generate import generate
-from miles_fn.sampling import SamplingConfig, filter_logits, sample
+from miles_fn.sampling import SamplingConfig, filter_logits, sample, sample_with_uniform
 from state import hf
 
 PROMPTS = [[3, 7, 11, 2, 9], [4], [8, 8, 1, 30, 22, 17, 5, 6], [12, 40]]
@@ -64,6 +64,27 @@ def test_top_k_and_top_p_filters_hand_computed():
     keys = prng.fold_in(prng.key(0), torch.arange(2000))
     toks, _ = sample(logits.expand(2000, 4), keys, SamplingConfig(top_k=2))
     assert set(toks.tolist()) == {0, 1}
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).expand(6, 4)
+    u = torch.tensor([0.0, 0.1, 0.6, 0.9, 0.97, 1.0 - 2.0**-53], dtype=torch.float64)
+    toks, lps = sample_with_uniform(logits, u, SamplingConfig())
+    assert toks.tolist() == [0, 0, 1, 2, 3, 3]  # CDF 0.5, 0.8, 0.95, 1
+    assert torch.allclose(lps, logits[0, toks], atol=1e-6)
+    # a token outside top-k is never picked, even by u next to 1; its log-prob is the untruncated one
+    toks, lps = sample_with_uniform(logits, u, SamplingConfig(top_k=2))
+    assert toks.tolist() == [0, 0, 0, 1, 1, 1]  # CDF 0.625, 1
+    assert torch.allclose(lps, logits[0, toks], atol=1e-6)
+
+
+def test_sampled_frequencies_match_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, -30.0]])
+    n = 40_000
+    toks, _ = sample(logits.expand(n, 5), prng.fold_in(prng.key(5), torch.arange(n)), SamplingConfig())
+    freq = torch.bincount(toks, minlength=5).double() / n
+    p = torch.softmax(logits[0].double(), 0)
+    assert torch.all((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1e-12), (freq, p)
 
 
 def test_stop_tokens_and_max_new_tokens():

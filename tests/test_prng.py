@@ -69,6 +69,20 @@ def test_uniform_and_normal_moments():
     assert abs(float(z.mean())) < 0.012 and abs(float(z.std()) - 1.0) < 0.01
 
 
+def test_uniform64_has_53_bits_and_the_right_moments():
+    u = prng.uniform64(prng.key(3), (200_000,))
+    assert u.dtype == torch.float64 and 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.003 and abs(float(u.var()) - 1 / 12) < 0.002
+    # both Threefry words: u * 2**53 is an integer whose low 32 bits are the second word
+    k = prng.key(3)
+    y0, y1 = prng.threefry2x32(k.reshape(1, 2), torch.arange(4), torch.zeros(4, dtype=torch.int64))
+    ints = (prng.uniform64(k, (4,)) * 2.0**53).to(torch.int64)
+    assert ints.tolist() == [(a >> 11) * 2**32 + b for a, b in zip(y0.tolist(), y1.tolist(), strict=True)]
+    # a batch of keys gives each row its own stream
+    keys = prng.fold_in(prng.key(0), torch.arange(3))
+    assert torch.equal(prng.uniform64(keys, (2,))[1], prng.uniform64(keys[1], (2,)))
+
+
 def test_gumbel_max_samples_softmax():
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
     n = 40_000
