@@ -29,7 +29,7 @@ def test_true_on_policy_mismatch_is_exactly_zero_and_fast_mode_is_not(tmp_path):
     on, off = tmp_path / "on", tmp_path / "off"
     p = run_main("--true_on_policy", f"--output_dir={on}")
     assert p.returncode == 0, p.stderr[-2000:]
-    q = run_main(f"--output_dir={off}")
+    q = run_main("--noskip_zero_advantage_rows", f"--output_dir={off}")  # the mismatch over every row
     assert q.returncode == 0, q.stderr[-2000:]
     assert all(v == 0.0 for row in _mismatch(on) for v in row.values())
     fast = _mismatch(off)
