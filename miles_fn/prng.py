@@ -87,13 +87,17 @@ def fold_in(k: Key, data: int | torch.Tensor) -> Key:
 
 def bits(k: Key, shape: tuple[int, ...]) -> torch.Tensor:
     """Uniform 32-bit integers (in int64) of `shape`; a key batch [*B, 2] gives [*B, *shape]."""
+    return _words(k, shape)[0]
+
+
+def _words(k: Key, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both Threefry words for counters 0..prod(shape)-1 under each key of the batch: [*B, *shape] each."""
     _check(k)
     n = math.prod(shape)
     counters = torch.arange(n, dtype=torch.int64)
     batch = k.shape[:-1]
-    kk = k.reshape(*batch, 1, 2)
-    y0, _ = threefry2x32(kk, counters, torch.zeros_like(counters))
-    return y0.reshape(*batch, *shape)
+    y0, y1 = threefry2x32(k.reshape(*batch, 1, 2), counters, torch.zeros_like(counters))
+    return y0.reshape(*batch, *shape), y1.reshape(*batch, *shape)
 
 
 def uniform(k: Key, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -107,13 +111,8 @@ def uniform64(k: Key, shape: tuple[int, ...] = ()) -> torch.Tensor:
     What inverse-CDF sampling needs: a 24-bit uniform would round every token's chance to a
     multiple of 2**-24, a visible bias summed over a 150k-token vocabulary's tail.
     """
-    _check(k)
-    n = math.prod(shape)
-    counters = torch.arange(n, dtype=torch.int64)
-    batch = k.shape[:-1]
-    y0, y1 = threefry2x32(k.reshape(*batch, 1, 2), counters, torch.zeros_like(counters))
-    u = ((y0 >> 11) * (1 << 32) + y1).to(torch.float64) * (1.0 / (1 << 53))
-    return u.reshape(*batch, *shape)
+    y0, y1 = _words(k, shape)
+    return ((y0 >> 11) * (1 << 32) + y1).to(torch.float64) * (1.0 / (1 << 53))
 
 
 def gumbel(k: Key, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

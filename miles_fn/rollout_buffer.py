@@ -8,6 +8,7 @@ import torch
 
 from miles_fn import advantages as adv_lib
 from miles_fn.batching import pack_right_padded, place_rows
+from miles_fn.packing import whole_batch_counts
 from state.train_state import RolloutBuffer
 
 
@@ -46,7 +47,7 @@ def gradient_rows(buf: RolloutBuffer) -> RolloutBuffer:
     most GRPO groups are all right or all wrong, so most rows are such rows (bench/rl_step's
     task: 60-95%), and leaving them out gives the same update for a fraction of the work. That
     holds only when every term of the loss scales with the advantage (no KL loss, no entropy
-    bonus): the caller decides (launch.rl.skips_zero_advantage_rows).
+    bonus): the caller decides (objective.ObjectiveConfig.skips_zero_advantage_rows).
 
     num_tokens / num_samples are set from the whole batch (or kept, if already set), so the loss
     divides by the same counts as without the cut. One row is kept when no row carries gradient:
@@ -54,7 +55,8 @@ def gradient_rows(buf: RolloutBuffer) -> RolloutBuffer:
     """
     n = buf.loss_mask.shape[0]
     if buf.num_tokens is None or buf.num_samples is None:
-        buf = buf._replace(num_tokens=buf.loss_mask.sum(), num_samples=torch.tensor(float(n)))
+        num_tokens, num_samples = whole_batch_counts(buf)
+        buf = buf._replace(num_tokens=num_tokens, num_samples=num_samples)
     live = torch.nonzero(((buf.advantages != 0) & (buf.loss_mask > 0)).any(-1)).squeeze(-1)
     if live.numel() == n:
         return buf
