@@ -3,7 +3,9 @@
 Float32 on CPU, the same prompts (addition prompts of the default task), the same sampling
 (multinomial at temperature 1, no top-k/top-p) and no early stop: both produce exactly
 `--new_tokens` tokens per row (no stop token for the engine, min_new_tokens for transformers).
-Repeats alternate between the two, so that a busy machine slows both alike.
+The engine runs as the job does (--decode_backend=auto: each decode step one C call, ops.decode_cpu,
+where it builds) and, for the record, with its torch decode path (--decode_backend=torch).
+Repeats alternate between the contenders, so that a busy machine slows all alike.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ from typing import Any
 
 import torch
 
+import ops
 from bench import common
 from miles_fn import prng
 from miles_fn.generate import generate
 from miles_fn.sampling import SamplingConfig
 from miles_fn.tasks.addition import AdditionTask
+from ops import decode_cpu
 from state import hf
+
+JOB_OPS = ops.OpsConfig(decode_backend="auto")  # launch.flags' default
+TORCH_DECODE = ops.OpsConfig(decode_backend="torch")
 
 
 def prompts_for(batch: int) -> list[list[int]]:
@@ -38,8 +45,10 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def run_ours(params: Any, cfg: Any, prompts: list[list[int]], new_tokens: int, seed: int) -> int:
-    gen = generate(params, cfg, prompts, prng.key(seed), SamplingConfig(temperature=1.0, max_new_tokens=new_tokens))
+def run_ours(params: Any, cfg: Any, prompts: list[list[int]], new_tokens: int, seed: int,
+             ops_cfg: ops.OpsConfig = JOB_OPS) -> int:
+    gen = generate(params, cfg, prompts, prng.key(seed), SamplingConfig(temperature=1.0, max_new_tokens=new_tokens),
+                   ops_cfg=ops_cfg)
     n = sum(len(t) for t in gen.tokens)
     assert n == len(prompts) * new_tokens, "the engine stopped early"
     return n
@@ -77,26 +86,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = []
     for b in batches:
         prompts = prompts_for(b)
-        run_ours(params, cfg, prompts, 4, 0)  # warm-up: first-call allocations, lazy inits
+        run_ours(params, cfg, prompts, 4, 0)  # warm-up: first-call allocations, lazy inits, the kernel's build
+        run_ours(params, cfg, prompts, 4, 0, TORCH_DECODE)
         run_transformers(m, prompts, 4, 0)
-        ours, theirs = [], []
+        ours, ours_torch, theirs = [], [], []
         for r in range(repeats):
             t, n = common.timed(lambda r=r, p=prompts: run_ours(params, cfg, p, new_tokens, r))
             ours.append(n / t)
+            t, n = common.timed(lambda r=r, p=prompts: run_ours(params, cfg, p, new_tokens, r, TORCH_DECODE))
+            ours_torch.append(n / t)
             t, n = common.timed(lambda r=r, p=prompts: run_transformers(m, p, new_tokens, r))
             theirs.append(n / t)
         results.append({"batch": b, "new_tokens": new_tokens, "repeats": repeats,
                         "miles_fn_tokens_per_s": common.median(ours),
+                        "miles_fn_torch_decode_tokens_per_s": common.median(ours_torch),
                         "transformers_tokens_per_s": common.median(theirs),
                         "ratio": common.median(ours) / common.median(theirs),
-                        "miles_fn_samples": ours, "transformers_samples": theirs})
+                        "ratio_torch_decode": common.median(ours_torch) / common.median(theirs),
+                        "miles_fn_samples": ours, "miles_fn_torch_decode_samples": ours_torch,
+                        "transformers_samples": theirs})
+    kernel = decode_cpu.status() or "the C decode kernel"
     table = common.print_table(
         f"Rollout: {new_tokens} new tokens, sampling at temperature 1, float32, {args.threads} thread(s) "
-        f"(median of {repeats})",
-        ["batch", "miles-fn tokens/s", "transformers generate() tokens/s", "ratio"],
-        [[r["batch"], r["miles_fn_tokens_per_s"], r["transformers_tokens_per_s"], f"{r['ratio']:.2f}x"]
-         for r in results])
+        f"(median of {repeats}); miles-fn decodes with {kernel}",
+        ["batch", "miles-fn tokens/s", "transformers generate() tokens/s", "ratio",
+         "miles-fn torch decode tokens/s", "ratio (torch decode)"],
+        [[r["batch"], r["miles_fn_tokens_per_s"], r["transformers_tokens_per_s"], f"{r['ratio']:.2f}x",
+          r["miles_fn_torch_decode_tokens_per_s"], f"{r['ratio_torch_decode']:.2f}x"] for r in results])
     out = {"benchmark": "rollout", "machine": common.machine_info(args.threads), "quick": args.quick,
+           "decode_kernel": decode_cpu.status() or "cpu_kernel",
            "transformers": transformers.__version__, "results": results, "table": table}
     common.write_json(args.out, out)
     return out

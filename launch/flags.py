@@ -230,6 +230,10 @@ flags.DEFINE_enum("attention_backend", "torch", list(ops.config.ATTENTION_BACKEN
                   "Attention kernels: torch (SDPA / invariant blocked), flash_attn (varlen), flash_attn_3.")
 flags.DEFINE_enum("gemm_backend", "torch", list(ops.config.GEMM_BACKENDS), "GEMM kernels: torch or deep_gemm (FP8).")
 flags.DEFINE_boolean("compile", False, "torch.compile the model forward (CPU and GPU).")
+flags.DEFINE_enum("decode_backend", "auto", list(ops.config.DECODE_BACKENDS),
+                  "The embedded engine's decode steps: torch (model.forward), cpu_kernel (each step one C call: "
+                  "ops/csrc/decode_cpu.c, built on first use with the system C compiler), or auto (cpu_kernel "
+                  "where it runs: CPU float32 weights, no --true_on_policy or --compile, a compiler here).")
 flags.DEFINE_integer("invariant_tile_rows", 64, "Rows per GEMM call of the invariant linear.", lower_bound=1)
 flags.DEFINE_integer("invariant_grad_tile_tokens", 2048, "With --true_on_policy and --max_tokens_per_micro_batch: "
                      "padded tokens per gradient tile, the fixed unit gradients are computed and summed in, so the "
@@ -248,13 +252,21 @@ def ops_config_from_flags() -> ops.OpsConfig:
     f = FLAGS
     return ops.OpsConfig(mode="invariant" if f.true_on_policy else "reference", attention_backend=f.attention_backend,
                          gemm_backend=f.gemm_backend, compile=f.compile, tile_rows=f.invariant_tile_rows,
-                         kv_block=f.invariant_kv_block)
+                         kv_block=f.invariant_kv_block, decode_backend=f.decode_backend)
 
 
 def offpolicy_config_from_flags() -> OffPolicyConfig:
     f = FLAGS
     return OffPolicyConfig(correction=f.offpolicy_correction, tis_cap=f.tis_cap, mis_low=f.mis_low,
                            mis_high=f.mis_high)
+
+
+flags.register_multi_flags_validator(
+    ["true_on_policy", "compile", "decode_backend"],
+    lambda v: v["decode_backend"] != "cpu_kernel" or not (v["true_on_policy"] or v["compile"]),
+    "--decode_backend=cpu_kernel cannot be combined with --true_on_policy or --compile: the C decode kernel is "
+    "neither batch-invariant nor compiled (--decode_backend=auto falls back to torch there)",
+)
 
 
 flags.register_multi_flags_validator(

@@ -330,10 +330,10 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def server_ops(deterministic: bool, tile_rows: int, kv_block: int) -> ops.OpsConfig:
+def server_ops(deterministic: bool, tile_rows: int, kv_block: int, decode_backend: str = "auto") -> ops.OpsConfig:
     """The kernels the server runs: the invariant ones (with the trainer's tiling) when deterministic."""
     if not deterministic:
-        return ops.REFERENCE
+        return ops.OpsConfig(decode_backend=decode_backend)
     return ops.OpsConfig(mode="invariant", tile_rows=tile_rows, kv_block=kv_block)
 
 
@@ -359,6 +359,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --enable-deterministic-inference: the trainer's --invariant_tile_rows")
     p.add_argument("--invariant-kv-block", type=int, default=ops.INVARIANT.kv_block,
                    help="with --enable-deterministic-inference: the trainer's --invariant_kv_block")
+    p.add_argument("--decode-backend", default="auto", choices=ops.config.DECODE_BACKENDS,
+                   help="decode steps without --enable-deterministic-inference: the trainer's --decode_backend")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="always on here: ids in, ids out")
     p.add_argument("--weight-version", default="0", help="version of the weights at --model-path")
     p.add_argument("--num-threads", type=int, default=1)
@@ -388,8 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, KeyError, ValueError) as e:
         sys.exit(f"error: --model-path={args.model_path}: {e}")
     try:
-        ops_cfg = server_ops(args.enable_deterministic_inference, args.invariant_tile_rows, args.invariant_kv_block)
-    except ValueError as e:
+        ops_cfg = server_ops(args.enable_deterministic_inference, args.invariant_tile_rows, args.invariant_kv_block,
+                             args.decode_backend)
+        ops.require_backends(ops_cfg)
+    except (ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
                          args.debug_group_fault, ops_cfg)

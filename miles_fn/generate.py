@@ -17,6 +17,7 @@ from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
+from ops import decode_cpu
 
 
 class Generation(NamedTuple):
@@ -109,11 +110,21 @@ def generate_rows(
     uniforms = None
     if sampling.temperature > 0:
         uniforms = prng.uniform64(prng.fold_in(row_keys[None], torch.arange(n_new)[:, None]))  # [n_new, B]
+    kernel = None
+    if n_new > 1 and decode_cpu.chosen(ops_cfg, params, cache):
+        # The decode steps' rope tables, once: step t feeds row r's token at position lens[r] + t.
+        cos, sin = ops.rope_tables(lens[:, None] + torch.arange(n_new)[None], cfg.dim_head, cfg.rope_theta)
+        kernel = decode_cpu.DecodePlan(params, cfg, cache, key_valid, cos[:, 0], sin[:, 0])
     stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.int64)
     out_tok = torch.zeros(b, n_new, dtype=torch.int64)
     out_lp = torch.zeros(b, n_new, dtype=torch.float32)
     done = torch.zeros(b, dtype=torch.bool)
     n_out = torch.zeros(b, dtype=torch.int64)  # tokens per row, its stop token included
+    if kernel is not None and sampling.top_k == 0 and sampling.top_p == 1.0:
+        # The loop below, sampler included, as one C call (ops.decode_cpu.DecodePlan.generate).
+        out_tok, out_lp, n_out = kernel.generate(logits, uniforms, sampling.logprob_temperature,
+                                                 sampling.stop_token_ids, lp)
+        return _generation(out_tok, out_lp, n_out, sampling)
     for t in range(n_new):
         tok, lps = sample_with_uniform(logits, None if uniforms is None else uniforms[t], sampling)
         if ops_cfg.invariant:  # the reference token_logprobs is sample_with_uniform's own log_softmax + gather
@@ -131,10 +142,18 @@ def generate_rows(
         if t == n_new - 1 or (sampling.stop_token_ids and bool(done.all())):
             break
         col = lp + t
+        if kernel is not None:
+            logits = kernel.step(tok, t, col)
+            continue
         mask = key_valid[:, None, : col + 1]
         pos = (lens + t)[:, None]
         logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col, ops_cfg=ops_cfg)[:, -1]
 
+    return _generation(out_tok, out_lp, n_out, sampling)
+
+
+def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig
+                ) -> Generation:
     counts, all_tok, all_lp = n_out.tolist(), out_tok.tolist(), out_lp.tolist()  # one conversion each
     tokens = [row[:n] for row, n in zip(all_tok, counts, strict=True)]
     logprobs = [row[:n] for row, n in zip(all_lp, counts, strict=True)]

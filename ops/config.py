@@ -8,6 +8,9 @@
 Backends choose the kernels: attention_backend "torch" (SDPA, or the blocked invariant kernel),
 "flash_attn" (flash_attn_varlen_func), "flash_attn_3" (flash_attn_interface); gemm_backend
 "torch" or "deep_gemm" (FP8 block-scaled GEMM). GPU backends are imported through third_party.
+decode_backend, for generate's one-token steps: "torch" (model.forward), "cpu_kernel" (the whole step
+as one C call, ops.decode_cpu), or "auto" (cpu_kernel where it can run, else torch). Neither C path
+is batch-invariant, so mode="invariant" always decodes with torch.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 MODES = ("reference", "invariant")
 ATTENTION_BACKENDS = ("torch", "flash_attn", "flash_attn_3")
 GEMM_BACKENDS = ("torch", "deep_gemm")
+DECODE_BACKENDS = ("torch", "cpu_kernel", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,7 @@ class OpsConfig:
     attention_backend: str = "torch"
     gemm_backend: str = "torch"
     compile: bool = False  # torch.compile the model forward
+    decode_backend: str = "torch"  # generate's decode steps: see the module docstring
     tile_rows: int = 64  # invariant linear: every GEMM call has exactly this many rows
     kv_block: int = 1  # invariant attention: keys reduced in blocks of this many (1 = one at a time)
 
@@ -35,6 +40,12 @@ class OpsConfig:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend {self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend {self.decode_backend!r} is not one of {DECODE_BACKENDS}")
+        if self.decode_backend == "cpu_kernel" and (self.invariant or self.compile):
+            raise ValueError("decode_backend='cpu_kernel' (--decode_backend=cpu_kernel) cannot be combined with "
+                             f"mode={self.mode!r}, compile={self.compile}: the C kernel is neither batch-invariant "
+                             "nor compiled; use --decode_backend=auto or torch")
         if self.compile and self.invariant:
             raise ValueError("compile=True cannot be combined with mode='invariant' (--compile with "
                              "--true_on_policy): inductor re-fuses the reductions whose shapes and order the "
@@ -60,6 +71,11 @@ def require_backends(cfg: OpsConfig) -> None:
         third_party.require(needs[cfg.attention_backend], f"--attention_backend={cfg.attention_backend}")
     if cfg.gemm_backend == "deep_gemm":
         third_party.require("deep_gemm", "--gemm_backend=deep_gemm")
+    if cfg.decode_backend == "cpu_kernel":
+        from ops import decode_cpu
+
+        if why := decode_cpu.status():
+            raise third_party.MissingPackageError(f"--decode_backend=cpu_kernel cannot run here: {why}")
     if (cfg.attention_backend != "torch" or cfg.gemm_backend != "torch") and not third_party.cuda_available():
         raise third_party.MissingPackageError(
             f"--attention_backend={cfg.attention_backend} --gemm_backend={cfg.gemm_backend} need a CUDA device "

@@ -68,7 +68,7 @@ def _fault_args(fault: str, first: bool) -> list[str]:
 def server_ops_args(ops_cfg: ops.OpsConfig) -> list[str]:
     """launch.rollout_server flags that make it run the trainer's kernels."""
     if not ops_cfg.invariant:
-        return []
+        return ["--decode-backend", ops_cfg.decode_backend]
     return ["--enable-deterministic-inference", "--invariant-tile-rows", str(ops_cfg.tile_rows),
             "--invariant-kv-block", str(ops_cfg.kv_block)]
 

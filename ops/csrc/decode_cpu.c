@@ -1,0 +1,297 @@
+/* One decode step of model.py's decoder (Qwen2/Llama: RMSNorm, GQA attention with RoPE, SwiGLU MLP)
+ * for B rows of one new token each, as a single call: the GEMMs go to the BLAS torch itself links
+ * (sgemm_), everything between them runs as loops over the rows, with no allocation and no per-op
+ * dispatch. Float32, row-major, contiguous buffers; built and loaded by ops/decode_cpu.py.
+ *
+ * The loops use GCC's vector extensions (8 floats), which the compiler lowers to the machine's SIMD
+ * (AVX2 here) or to scalar code; exp is a Cephes-style polynomial with the same ~1 ulp accuracy as
+ * the vectorised exp torch's CPU kernels use, not libm's scalar expf.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+extern void sgemm_(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                   const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                   const float *beta, float *c, const int *ldc);
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+#define MAX_HEAD_DIM 1024
+
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, inter, vocab, layers, max_len, n_new;
+    float eps;
+    const float *embed, *final_norm, *lm_head;
+    /* per layer: wqkv [nq + 2 nkv, H] (q, k, v stacked), bqkv (NULL without biases), wgu [2 I, H] (gate, up) */
+    const float **attn_norm, **wqkv, **bqkv, **wo, **mlp_norm, **wgu, **w_down;
+    float **k_cache, **v_cache;          /* per layer [B, Hkv, S, D] */
+    const uint8_t *key_valid;            /* [B, S]: 0 at left padding */
+    const float *cos, *sin;              /* [B, n_new, D]: rope_tables' cos and signed sin */
+    float *x, *h, *qkv, *att, *gu, *scores;  /* scratch: [B,H] [B,H] [B,nq+2nkv] [B,nq] [B,2I] [S] */
+} Model;
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline v8 splat(float a) { return (v8){a, a, a, a, a, a, a, a}; }
+static inline float hsum(v8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+/* The 8 lane-wise partial sums of q . k over d (a multiple of 32) in four independent chains. */
+static inline v8 dot_lanes(const float *q, const float *k, int64_t d) {
+    v8 a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t c = 0; c < d; c += 32) {
+        a0 += load8(q + c) * load8(k + c);
+        a1 += load8(q + c + 8) * load8(k + c + 8);
+        a2 += load8(q + c + 16) * load8(k + c + 16);
+        a3 += load8(q + c + 24) * load8(k + c + 24);
+    }
+    return (a0 + a1) + (a2 + a3);
+}
+
+/* e^x on 8 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-5 polynomial, 2^n into the exponent;
+ * 0 below -87.34 (so e^-inf = 0), +inf clamped to e^88.38, NaN kept NaN. */
+static inline v8 exp8(v8 x) {
+    const i8 keep = x > splat(-87.3365447505531f);  /* below: e^x < 2^-126, returned as exactly 0 */
+    const i8 nan = x != x;
+    const v8 hi = splat(88.3762626647949f), lo = splat(-87.3365447505531f);
+    x = (v8)(((i8)x & (x < hi)) | ((i8)hi & ~(x < hi)));  /* min(x, hi) */
+    x = (v8)(((i8)x & (x > lo)) | ((i8)lo & ~(x > lo)));  /* max(x, lo) */
+    const v8 t = x * splat(1.44269504088896341f);
+    const i8 sign = (i8)t & (i8){INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
+    const v8 half = (v8)((i8)splat(0.5f) | sign);           /* +-0.5: round half away from zero */
+    const i8 n = __builtin_convertvector(t + half, i8);
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
+    v8 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    const v8 y = p * (r * r) + r + splat(1.0f);
+    return (v8)((((i8)y + (n << 23)) & keep) | nan);  /* all bits set: a NaN */
+}
+
+/* y[rows, n] (row stride ldy) = x[rows, k] w[n, k]^T (+ y when accumulate): the transposed column-major GEMM. */
+static void linear(const float *x, const float *w, float *y, int64_t rows, int64_t n, int64_t k, int64_t ldy,
+                   int accumulate) {
+    const int m_ = (int)n, n_ = (int)rows, k_ = (int)k, ldc = (int)ldy;
+    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    sgemm_("T", "N", &m_, &n_, &k_, &one, w, &k_, x, &k_, &beta, y, &ldc);
+}
+
+static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        double ss = 0.0;
+        for (int64_t j = 0; j < n; j++) ss += (double)xr[j] * xr[j];
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+        for (int64_t j = 0; j < n; j++) y[r * n + j] = w[j] * (xr[j] * inv);
+    }
+}
+
+/* x*cos + roll(x, D/2)*signed_sin on each of `heads` heads of one row, as ops.apply_rope. */
+static void rope(float *x, const float *cos, const float *sin, int64_t heads, int64_t d) {
+    const int64_t half = d / 2;
+    float tmp[MAX_HEAD_DIM];
+    for (int64_t hh = 0; hh < heads; hh++) {
+        float *xh = x + hh * d;
+        memcpy(tmp, xh, (size_t)d * sizeof(float));
+        for (int64_t i = 0; i < half; i++) xh[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+        for (int64_t i = half; i < d; i++) xh[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+    }
+}
+
+/* Softmax attention of one key/value head's query group (q: groups x d, contiguous) over the n cache
+ * rows kc, vc ([n, d]) that `valid` allows: per query head, its scores key by key, masked to -inf,
+ * e^(s - max) (exactly 0 where masked), then the weighted sum of values key by key. With d a multiple
+ * of 32 each 32-float chunk of a head is four named vectors: four independent add chains that stay
+ * in registers (an array of accumulators would go through memory on every key). */
+static void attend_group(const float *q, const float *kc, const float *vc, const uint8_t *valid, int64_t n,
+                         int64_t groups, int64_t d, float *p, float *out) {
+    const float scale = 1.0f / sqrtf((float)d);
+    const int chunked = d % 32 == 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *qg = q + g * d;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < n; s++) {
+            const float *ks = kc + s * d;
+            float dot = 0.0f;
+            if (chunked) {
+                dot = hsum(dot_lanes(qg, ks, d));
+            } else {
+                for (int64_t i = 0; i < d; i++) dot += qg[i] * ks[i];
+            }
+            p[s] = valid[s] ? dot * scale : -INFINITY;
+            mx = p[s] > mx ? p[s] : mx;
+        }
+        int64_t s = 0;
+        float den = 0.0f;
+        for (; s + 8 <= n; s += 8) {
+            const v8 e = exp8(load8(p + s) - splat(mx));
+            store8(p + s, e);
+            den += hsum(e);
+        }
+        for (; s < n; s++) {
+            p[s] = valid[s] ? expf(p[s] - mx) : 0.0f;
+            den += p[s];
+        }
+        const float inv = 1.0f / den;
+        float *og = out + g * d;
+        if (chunked) {
+            for (int64_t c = 0; c < d; c += 32) {
+                v8 a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+                for (s = 0; s < n; s++) {
+                    const float *vs = vc + s * d + c;
+                    const v8 e = splat(p[s]);
+                    a0 += e * load8(vs);
+                    a1 += e * load8(vs + 8);
+                    a2 += e * load8(vs + 16);
+                    a3 += e * load8(vs + 24);
+                }
+                store8(og + c, a0 * splat(inv));
+                store8(og + c + 8, a1 * splat(inv));
+                store8(og + c + 16, a2 * splat(inv));
+                store8(og + c + 24, a3 * splat(inv));
+            }
+        } else {
+            for (int64_t i = 0; i < d; i++) {
+                float a = 0.0f;
+                for (s = 0; s < n; s++) a += p[s] * vc[s * d + i];
+                og[i] = a * inv;
+            }
+        }
+    }
+}
+
+/* Each row's query heads over its cache columns 0..col that key_valid allows. */
+static void attend(const Model *m, int64_t layer, int64_t col) {
+    const int64_t d = m->head_dim, hkv = m->kv_heads, groups = m->heads / hkv, s_len = m->max_len;
+    const int64_t ld = (m->heads + 2 * hkv) * d;
+    for (int64_t r = 0; r < m->rows; r++)
+        for (int64_t kh = 0; kh < hkv; kh++)
+            attend_group(m->qkv + r * ld + kh * groups * d, m->k_cache[layer] + (r * hkv + kh) * s_len * d,
+                         m->v_cache[layer] + (r * hkv + kh) * s_len * d, m->key_valid + r * s_len, col + 1,
+                         groups, d, m->scores, m->att + (r * m->heads + kh * groups) * d);
+}
+
+/* gate <- silu(gate) * up, in place over each row's [gate | up] halves. */
+static void swiglu(float *gu, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *g = gu + r * 2 * inter, *u = g + inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const v8 x = load8(g + i);
+            store8(g + i, x / (splat(1.0f) + exp8(-x)) * load8(u + i));
+        }
+        for (; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Decode step t (cache column col) for tokens [B]: writes this step's keys/values into the caches
+ * and the logits [B, V]. Returns 0; 1 when t or col lies outside the plan; 2 for a token outside the vocabulary. */
+int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
+    const int64_t B = m->rows, H = m->hidden, D = m->head_dim, nq = m->heads * D, nkv = m->kv_heads * D;
+    const int64_t I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
+    if (D > MAX_HEAD_DIM || col >= S || t >= m->n_new) return 1;
+    for (int64_t r = 0; r < B; r++)
+        if (tokens[r] < 0 || tokens[r] >= m->vocab) return 2;
+    for (int64_t r = 0; r < B; r++) memcpy(m->x + r * H, m->embed + tokens[r] * H, (size_t)H * sizeof(float));
+    for (int64_t l = 0; l < m->layers; l++) {
+        rms_norm(m->x, m->attn_norm[l], m->h, B, H, m->eps);
+        linear(m->h, m->wqkv[l], m->qkv, B, ld, H, ld, 0);
+        for (int64_t r = 0; r < B; r++) {
+            float *row = m->qkv + r * ld;
+            if (m->bqkv[l])
+                for (int64_t j = 0; j < ld; j++) row[j] += m->bqkv[l][j];
+            const float *c = m->cos + (r * m->n_new + t) * D, *s = m->sin + (r * m->n_new + t) * D;
+            rope(row, c, s, m->heads + m->kv_heads, D);  /* q heads, then k heads */
+            for (int64_t kh = 0; kh < m->kv_heads; kh++) {
+                const int64_t off = ((r * m->kv_heads + kh) * S + col) * D;
+                memcpy(m->k_cache[l] + off, row + nq + kh * D, (size_t)D * sizeof(float));
+                memcpy(m->v_cache[l] + off, row + nq + nkv + kh * D, (size_t)D * sizeof(float));
+            }
+        }
+        attend(m, l, col);
+        linear(m->att, m->wo[l], m->x, B, H, nq, H, 1);  /* x += attention output */
+        rms_norm(m->x, m->mlp_norm[l], m->h, B, H, m->eps);
+        linear(m->h, m->wgu[l], m->gu, B, 2 * I, H, 2 * I, 0);
+        swiglu(m->gu, B, I);
+        /* x += MLP output: the gate halves of gu are the [B, I] input at row stride 2I */
+        const int m_ = (int)H, n_ = (int)B, k_ = (int)I, lda = (int)I, ldb = (int)(2 * I), ldc = (int)H;
+        const float one = 1.0f;
+        sgemm_("T", "N", &m_, &n_, &k_, &one, m->w_down[l], &lda, m->gu, &ldb, &one, m->x, &ldc);
+    }
+    rms_norm(m->x, m->final_norm, m->h, B, H, m->eps);
+    linear(m->h, m->lm_head, logits, B, m->vocab, H, m->vocab, 0);
+    return 0;
+}
+
+/* One token per row of logits [B, V] at temperature T, as miles_fn.sampling.sample_with_uniform without
+ * top-k/top-p: logp = (x/T - max) - log(sum e^(x/T - max)); greedy (u == NULL) takes the first argmax,
+ * otherwise the first token whose float64 cumulative probability, divided by the total, exceeds u[r].
+ * Writes the token to tok[r * stride] and its logp to lp[r * stride]; work holds 2V floats. */
+void mf_sample(const Model *m, const float *logits, const double *u, float temperature, int64_t *tok, float *lp,
+               int64_t stride, float *work) {
+    const int64_t V = m->vocab;
+    float *scaled = work, *prob = work + V;
+    for (int64_t r = 0; r < m->rows; r++) {
+        const float *lr = logits + r * V;
+        float mx = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t j = 0; j < V; j++) {
+            scaled[j] = lr[j] / temperature;
+            if (scaled[j] > mx) { mx = scaled[j]; arg = j; }
+        }
+        float sum = 0.0f;
+        int64_t j = 0;
+        for (; j + 8 <= V; j += 8) sum += hsum(exp8(load8(scaled + j) - splat(mx)));
+        for (; j < V; j++) sum += expf(scaled[j] - mx);
+        const float lse = logf(sum);
+        if (u) {
+            j = 0;
+            for (; j + 8 <= V; j += 8) store8(prob + j, exp8(load8(scaled + j) - splat(mx) - splat(lse)));
+            for (; j < V; j++) prob[j] = expf(scaled[j] - mx - lse);
+            double total = 0.0;
+            for (j = 0; j < V; j++) total += (double)prob[j];
+            double cdf = 0.0;
+            arg = V - 1;
+            for (j = 0; j < V; j++) {
+                cdf += (double)prob[j];
+                if (cdf / total > u[r]) { arg = j; break; }
+            }
+        }
+        tok[r * stride] = arg;
+        lp[r * stride] = (scaled[arg] - mx) - lse;
+    }
+}
+
+/* generate's decode loop for plain temperature (or greedy, u == NULL) sampling: step t samples column t
+ * of tok/lp [B, n_new] from logits (the prefill's on entry; the plan's buffer after), then, unless it is
+ * the last, runs the decode step of those tokens at cache column first_col + t. With stop tokens a row
+ * that has sampled one emits 0 (log-prob 0) from then on, and the loop ends when every row has; n_out
+ * counts each row's tokens, its stop token included. `work` holds 2V floats, `live` B bytes, `step_tok`
+ * B int64. Returns 0, or mf_decode_step's error code. */
+int mf_generate(const Model *m, float *logits, const double *u, float temperature, const int64_t *stop,
+                int64_t n_stop, int64_t first_col, int64_t *tok, float *lp, int64_t *n_out, float *work,
+                uint8_t *live, int64_t *step_tok) {
+    const int64_t B = m->rows, n = m->n_new;
+    for (int64_t r = 0; r < B; r++) { live[r] = 1; n_out[r] = 0; }
+    for (int64_t t = 0; t < n; t++) {
+        mf_sample(m, logits, u ? u + t * B : NULL, temperature, tok + t, lp + t, n, work);
+        int64_t n_live = 0;
+        for (int64_t r = 0; r < B; r++) {
+            int64_t *tr = tok + r * n + t;
+            if (!live[r]) { *tr = 0; lp[r * n + t] = 0.0f; continue; }
+            n_out[r]++;
+            for (int64_t j = 0; j < n_stop; j++)
+                if (*tr == stop[j]) live[r] = 0;
+            n_live += live[r];
+        }
+        for (int64_t r = 0; r < B; r++) step_tok[r] = tok[r * n + t];
+        if (t == n - 1 || (n_stop && n_live == 0)) break;
+        const int rc = mf_decode_step(m, step_tok, t, first_col + t, logits);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -1,0 +1,250 @@
+"""The decode step as one C call on CPU (ops/csrc/decode_cpu.c), for the embedded engine's generate loop.
+
+At batch 32 on the tiny model a torch decode step is ~100 ops of 5-10 us dispatch each around
+~0.7 ms of GEMM: the overhead is most of the step. The C kernel runs the same decoder (the same
+weights, cache layout and rope tables) with its GEMMs on the BLAS torch links (sgemm_) and
+everything else as plain loops, so a step costs about its GEMMs. Its reductions (norms, attention)
+run in another order than torch's, so its logits equal the reference forward's to float32 rounding,
+not bit for bit: ops.INVARIANT never uses it (mode="invariant" keeps the torch kernels).
+
+The library is compiled on first use with the system C compiler (about a second) into a cache
+keyed by the source, the flags, the machine and torch's library; where no compiler, no CPU BLAS
+symbol or no CPU tensors are at hand, `status` says why and generate keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Any
+
+import torch
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
+_MAX_HEAD_DIM = 1024  # the kernel's rope scratch
+_P = ctypes.POINTER(ctypes.c_float)
+_PP = ctypes.POINTER(_P)
+_LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
+
+
+class _Model(ctypes.Structure):
+    _fields_ = (
+        [(n, ctypes.c_int64) for n in ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
+                                        "layers", "max_len", "n_new")]
+        + [("eps", ctypes.c_float), ("embed", _P), ("final_norm", _P), ("lm_head", _P)]
+        + [(n, _PP) for n in _LAYER_WEIGHTS]
+        + [("k_cache", _PP), ("v_cache", _PP), ("key_valid", ctypes.POINTER(ctypes.c_uint8)),
+           ("cos", _P), ("sin", _P)]
+        + [(n, _P) for n in ("x", "h", "qkv", "att", "gu", "scores")]
+    )
+
+
+def _cache_dir() -> str:
+    return os.environ.get("MILES_FN_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "miles_fn"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not). Built once per source/machine, then loaded from the cache."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc/gcc) on PATH"
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    tag = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), torch_lib.encode(), torch.__version__.encode(),
+                                     platform.machine().encode(), _cpu_model().encode()])).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"decode_cpu-{tag}.so")
+    if not os.path.exists(path):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        os.close(fd)
+        cmd = [cc, *_FLAGS, "-o", tmp, _SOURCE, f"-L{torch_lib}", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            os.unlink(tmp)
+            return None, f"compiling {_SOURCE} failed: {e}"
+        if done.returncode != 0:
+            os.unlink(tmp)
+            return None, f"compiling {_SOURCE} failed ({' '.join(cmd)}): {done.stderr.strip()[-500:]}"
+        os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return None, f"loading {path} failed: {e}"
+    lib.mf_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                   ctypes.c_int64, _P]
+    lib.mf_decode_step.restype = ctypes.c_int
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.mf_generate.argtypes = [ctypes.POINTER(_Model), _P, ctypes.POINTER(ctypes.c_double), ctypes.c_float, i64p,
+                                ctypes.c_int64, ctypes.c_int64, i64p, _P, i64p, _P,
+                                ctypes.POINTER(ctypes.c_uint8), i64p]
+    lib.mf_generate.restype = ctypes.c_int
+    return lib, ""
+
+
+def status() -> str:
+    """"" when the kernel can run on this machine, else why not (builds it on first call)."""
+    return _library()[1]
+
+
+def _ptr(t: torch.Tensor | None) -> Any:
+    return None if t is None else ctypes.cast(t.data_ptr(), _P)
+
+
+def _ptrs(ts: list[torch.Tensor | None]) -> Any:
+    return (_P * len(ts))(*[_ptr(t) for t in ts])
+
+
+def applies(params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the kernel can take this model and cache: float32, on CPU, the cache contiguous."""
+    tensors = [params["embed"], params["final_norm"], *(c for kv in cache for c in kv)]
+    tensors += [w for layer in params["layers"] for w in layer.values()]
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and all(
+        c.is_contiguous() for kv in cache for c in kv)
+
+
+def chosen(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether generate decodes with this kernel under ops config `cfg` (an ops.OpsConfig).
+
+    "auto" takes it where it can run (reference mode, torch backends, CPU float32, a build here);
+    "cpu_kernel" insists, and fails naming what is missing.
+    """
+    if cfg.decode_backend == "torch":
+        return False
+    plain = not cfg.invariant and not cfg.compile and cfg.attention_backend == "torch" and cfg.gemm_backend == "torch"
+    if cfg.decode_backend == "auto":
+        return plain and applies(params, cache) and not status()
+    if not applies(params, cache):
+        raise ValueError("--decode_backend=cpu_kernel takes float32 weights and caches on CPU; "
+                         "use --decode_backend=auto or torch for other dtypes and devices")
+    if why := status():
+        raise RuntimeError(f"--decode_backend=cpu_kernel cannot run here: {why}")
+    return True
+
+
+def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """A layer's weights as the kernel takes them: q/k/v stacked into one GEMM, gate/up into another.
+
+    The copy (the layer's attention and MLP input weights, once per generate call) buys one GEMM
+    where there were three and two: a GEMM of 32 rows costs ~10 us of call overhead on top of its FLOPs.
+    """
+    bias = None if layer.get("bq") is None else torch.cat([layer["bq"], layer["bk"], layer["bv"]]).contiguous()
+    return {"attn_norm": layer["attn_norm"].contiguous(),
+            "wqkv": torch.cat([layer["wq"], layer["wk"], layer["wv"]]).contiguous(), "bqkv": bias,
+            "wo": layer["wo"].contiguous(), "mlp_norm": layer["mlp_norm"].contiguous(),
+            "wgu": torch.cat([layer["w_gate"], layer["w_up"]]).contiguous(), "w_down": layer["w_down"].contiguous()}
+
+
+class DecodePlan:
+    """The kernel's view of one generate call: pointers to the weights, caches and tables, plus scratch.
+
+    It holds the tensors it points to, so nothing it names is freed while it lives; the caches are
+    the caller's and are written in place, as model.forward writes them.
+    """
+
+    def __init__(self, params: dict[str, Any], cfg: Any, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                 key_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        lib, why = _library()
+        if lib is None:
+            raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
+        if cfg.dim_head > _MAX_HEAD_DIM:
+            raise ValueError(f"the CPU decode kernel takes head_dim <= {_MAX_HEAD_DIM}, got {cfg.dim_head}")
+        self._lib = lib
+        b, s = key_valid.shape
+        d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head
+        layers = [_stacked(layer) for layer in params["layers"]]
+        head = params.get("lm_head", params["embed"]).contiguous()
+        self._keep: list[Any] = [layers, head, params["embed"].contiguous(), params["final_norm"].contiguous()]
+        self.key_valid = key_valid.to(torch.uint8).contiguous()
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()  # [B, n_new, D]
+        scratch = {n: torch.empty(b, w) for n, w in (("x", cfg.hidden_size), ("h", cfg.hidden_size),
+                                                      ("qkv", nq + 2 * nkv), ("att", nq),
+                                                      ("gu", 2 * cfg.intermediate_size))}
+        scratch["scores"] = torch.empty(s)
+        self.logits = torch.empty(b, cfg.vocab_size)
+        self._keep += [scratch, cache]
+        arrays = {n: _ptrs([layer[n] for layer in layers]) for n in _LAYER_WEIGHTS}
+        arrays["k_cache"] = _ptrs([k for k, _ in cache])
+        arrays["v_cache"] = _ptrs([v for _, v in cache])
+        self._keep.append(arrays)
+        self._model = _Model(
+            rows=b, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=d,
+            inter=cfg.intermediate_size, vocab=cfg.vocab_size, layers=cfg.num_layers, max_len=s,
+            n_new=cos.shape[1], eps=cfg.rms_norm_eps, embed=_ptr(self._keep[2]), final_norm=_ptr(self._keep[3]),
+            lm_head=_ptr(head),
+            key_valid=ctypes.cast(self.key_valid.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
+            cos=_ptr(self.cos), sin=_ptr(self.sin), **arrays, **{n: _ptr(t) for n, t in scratch.items()})
+        self._logits_ptr = _ptr(self.logits)
+        self._work = torch.empty(2 * cfg.vocab_size)
+        self._work_ptr = _ptr(self._work)
+
+    def step(self, tokens: torch.Tensor, t: int, col: int) -> torch.Tensor:
+        """Logits [B, V] for tokens [B] (int64) at decode step t, their keys/values going to cache column col.
+
+        The returned tensor is the plan's buffer, overwritten by the next step.
+        """
+        tokens = tokens.contiguous()
+        if tokens.dtype != torch.int64 or tokens.shape != (self._model.rows,):
+            raise ValueError(f"decode step: tokens must be int64 of shape [{self._model.rows}], "
+                             f"got {tokens.dtype} {tuple(tokens.shape)}")
+        rc = self._lib.mf_decode_step(ctypes.byref(self._model),
+                                      ctypes.cast(tokens.data_ptr(), ctypes.POINTER(ctypes.c_int64)), t, col,
+                                      self._logits_ptr)
+        if rc == 2:
+            raise ValueError(f"decode step {t}: a token id is outside the vocabulary [0, {self._model.vocab})")
+        if rc != 0:
+            raise ValueError(f"decode step {t} (cache column {col}) is outside the plan "
+                             f"({self._model.n_new} steps, {self._model.max_len} columns)")
+        return self.logits
+
+    def generate(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
+                 stop_token_ids: tuple[int, ...], first_col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """generate's whole decode loop in one C call, for sampling without top-k/top-p.
+
+        logits [B, V]: the prefill's last column; uniforms [n_new, B] float64 (None: greedy); step t's
+        tokens go to cache column first_col + t. Returns (tokens [B, n_new], log-probs [B, n_new], counts [B])
+        as generate's loop makes them: rows past their stop token hold 0.
+        """
+        b, v, n = self._model.rows, self._model.vocab, self._model.n_new
+        if logits.shape != (b, v):
+            raise ValueError(f"decode generate: logits must be [{b}, {v}], got {tuple(logits.shape)}")
+        self.logits.copy_(logits)
+        up = None
+        if uniforms is not None:
+            if uniforms.shape != (n, b):
+                raise ValueError(f"decode generate: uniforms must be [{n}, {b}], got {tuple(uniforms.shape)}")
+            uniforms = uniforms.to(torch.float64).contiguous()
+            up = ctypes.cast(uniforms.data_ptr(), ctypes.POINTER(ctypes.c_double))
+        stop = torch.tensor(list(stop_token_ids) or [0], dtype=torch.int64)
+        tokens, logprobs = torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, n)
+        counts, live, step_tok = torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.uint8), torch.zeros(
+            b, dtype=torch.int64)
+        i64 = ctypes.POINTER(ctypes.c_int64)
+        rc = self._lib.mf_generate(
+            ctypes.byref(self._model), self._logits_ptr, up, temperature, ctypes.cast(stop.data_ptr(), i64),
+            len(stop_token_ids), first_col, ctypes.cast(tokens.data_ptr(), i64), _ptr(logprobs),
+            ctypes.cast(counts.data_ptr(), i64), self._work_ptr,
+            ctypes.cast(live.data_ptr(), ctypes.POINTER(ctypes.c_uint8)), ctypes.cast(step_tok.data_ptr(), i64))
+        if rc == 2:
+            raise ValueError(f"decode generate: a token id is outside the vocabulary [0, {v})")
+        if rc != 0:
+            raise ValueError(f"decode generate: cache column {first_col} + {n} steps is outside the plan "
+                             f"({self._model.max_len} columns)")
+        return tokens, logprobs, counts

@@ -1,0 +1,143 @@
+"""The C decode kernel (ops.decode_cpu) against float64 forwards of the same weights, and its fallbacks."""
+
+import pytest
+import torch
+
+import ops
+from miles_fn import model, prng
+from miles_fn.config import ModelConfig
+from miles_fn.generate import generate
+from miles_fn.sampling import SamplingConfig
+from ops import decode_cpu
+from state import hf
+
+KERNEL = ops.OpsConfig(decode_backend="cpu_kernel")
+# Left padding of several widths; 13 new tokens make key counts that are and are not multiples of 8.
+PROMPTS = [[3, 7, 11, 2, 9], [4], [8, 8, 1, 30, 22, 17, 5, 6], [12, 40], [5, 5, 5]]
+
+needs_kernel = pytest.mark.skipif(bool(decode_cpu.status()), reason=f"C decode kernel: {decode_cpu.status()}")
+
+
+def _float64_logprobs(params, cfg, prompt, tokens, temperature):
+    """Each response token's log-prob from one float64 full-sequence forward (no cache, no padding)."""
+    p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
+           for k, v in params.items()}
+    seq = torch.tensor([prompt + tokens])
+    t = seq.shape[1]
+    with torch.no_grad():
+        logits = model.forward(p64, cfg, seq, torch.arange(t)[None], model.causal_segment_mask(torch.ones(1, t)))
+    lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1] / temperature, -1)
+    return lp, lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _tiny(cfg: ModelConfig, seed: int):
+    params = model.init_params(cfg, prng.key(seed), std=0.15)
+    g = torch.Generator().manual_seed(seed)
+    for layer in params["layers"]:
+        for n in ("attn_norm", "mlp_norm"):
+            layer[n] = 1.0 + 0.2 * torch.randn(layer[n].shape, generator=g)
+        for n in ("bq", "bk", "bv"):
+            if n in layer:
+                layer[n] = 0.1 * torch.randn(layer[n].shape, generator=g)
+    return params
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_kernel_logprobs_match_a_float64_forward(hf_models, arch, tie):
+    _, path = hf_models[(arch, tie)]
+    cfg, params = hf.load_hf(path)
+    gen = generate(params, cfg, PROMPTS, prng.key(4), SamplingConfig(temperature=0.8, max_new_tokens=13),
+                   ops_cfg=KERNEL)
+    for prompt, tokens, lps in zip(PROMPTS, gen.tokens, gen.logprobs):
+        assert len(tokens) == 13
+        _, ref = _float64_logprobs(params, cfg, prompt, tokens, 0.8)
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-5), (prompt, tokens)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(12, 4, 1), (64, 2, 2), (40, 6, 3)])
+def test_kernel_greedy_picks_the_float64_argmax_for_any_head_layout(head_dim, heads, kv_heads):
+    """head_dim 12 and 40 take the scalar attention loops, 64 the 32-float chunks twice; MHA and GQA."""
+    cfg = ModelConfig(vocab_size=47, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=64,
+                      attention_bias=False, model_type="llama", tie_word_embeddings=False)
+    params = _tiny(cfg, 3)
+    gen = generate(params, cfg, PROMPTS, prng.key(0), SamplingConfig(temperature=0, max_new_tokens=21),
+                   ops_cfg=KERNEL)
+    for prompt, tokens, lps in zip(PROMPTS, gen.tokens, gen.logprobs):
+        full, ref = _float64_logprobs(params, cfg, prompt, tokens, 1.0)
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-5)
+        # each pick is the float64 argmax, up to a float32 near-tie
+        assert bool((full.max(-1).values - ref <= 1e-5).all()), (prompt, tokens)
+
+
+@needs_kernel
+def test_kernel_and_torch_decode_sample_the_same_tokens(hf_models):
+    _, path = hf_models[("qwen2", True)]
+    cfg, params = hf.load_hf(path)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=(13,))
+    ours = generate(params, cfg, PROMPTS, prng.key(9), s, ops_cfg=KERNEL)
+    torch_path = generate(params, cfg, PROMPTS, prng.key(9), s)
+    assert ours.tokens == torch_path.tokens
+    assert ours.finish_reasons == torch_path.finish_reasons
+    for a, b in zip(ours.logprobs, torch_path.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+def test_auto_falls_back_to_torch_where_the_kernel_cannot_run(hf_models, monkeypatch, tmp_path):
+    _, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    cache = model.new_kv_cache(cfg, 2, 8)
+    auto = ops.OpsConfig(decode_backend="auto")
+    assert not decode_cpu.chosen(ops.REFERENCE, params, cache)  # decode_backend="torch"
+    assert not decode_cpu.chosen(ops.OpsConfig(mode="invariant", decode_backend="auto"), params, cache)
+    p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
+           for k, v in params.items()}
+    assert not decode_cpu.chosen(auto, p64, model.new_kv_cache(cfg, 2, 8, torch.float64))
+    with pytest.raises(ValueError, match="float32 weights"):
+        decode_cpu.chosen(KERNEL, p64, model.new_kv_cache(cfg, 2, 8, torch.float64))
+    # No compiler: status says why, auto decodes with torch, cpu_kernel refuses naming the flag.
+    monkeypatch.setenv("MILES_FN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    decode_cpu._library.cache_clear()
+    try:
+        assert "compiling" in decode_cpu.status()
+        assert not decode_cpu.chosen(auto, params, cache)
+        with pytest.raises(RuntimeError, match="--decode_backend=cpu_kernel cannot run here"):
+            decode_cpu.chosen(KERNEL, params, cache)
+        with pytest.raises(ImportError, match="--decode_backend=cpu_kernel"):
+            ops.require_backends(KERNEL)
+        gen = generate(params, cfg, PROMPTS, prng.key(0), SamplingConfig(temperature=0, max_new_tokens=3),
+                       ops_cfg=auto)
+        assert all(len(t) == 3 for t in gen.tokens)
+        assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
+    finally:
+        decode_cpu._library.cache_clear()
+
+
+def test_cpu_kernel_refuses_invariant_and_compiled_modes():
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        ops.OpsConfig(mode="invariant", decode_backend="cpu_kernel")
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        ops.OpsConfig(compile=True, decode_backend="cpu_kernel")
+    with pytest.raises(ValueError, match="decode_backend"):
+        ops.OpsConfig(decode_backend="cuda_graphs")
+
+
+@needs_kernel
+def test_plan_rejects_steps_and_tokens_outside_it(hf_models):
+    _, path = hf_models[("llama", False)]
+    cfg, params = hf.load_hf(path)
+    cache = model.new_kv_cache(cfg, 2, 10)
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(2, 4), cfg.dim_head, cfg.rope_theta)
+    plan = decode_cpu.DecodePlan(params, cfg, cache, torch.ones(2, 10, dtype=torch.bool), cos[:, 0], sin[:, 0])
+    assert plan.step(torch.tensor([1, 2]), 0, 6).shape == (2, cfg.vocab_size)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        plan.step(torch.tensor([1, cfg.vocab_size]), 1, 7)
+    with pytest.raises(ValueError, match="outside the plan"):
+        plan.step(torch.tensor([1, 2]), 4, 7)
+    with pytest.raises(ValueError, match="outside the plan"):
+        plan.step(torch.tensor([1, 2]), 1, 10)
+    with pytest.raises(ValueError, match="int64 of shape"):
+        plan.step(torch.tensor([1, 2, 3]), 1, 7)
