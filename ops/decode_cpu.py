@@ -28,7 +28,6 @@ import torch
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
-_MAX_HEAD_DIM = 1024  # the kernel's rope scratch
 _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 _LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
@@ -96,6 +95,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                                 ctypes.c_int64, ctypes.c_int64, i64p, _P, i64p, _P,
                                 ctypes.POINTER(ctypes.c_uint8), i64p]
     lib.mf_generate.restype = ctypes.c_int
+    lib.mf_max_head_dim.argtypes = []
+    lib.mf_max_head_dim.restype = ctypes.c_int64
     return lib, ""
 
 
@@ -164,8 +165,8 @@ class DecodePlan:
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
-        if cfg.dim_head > _MAX_HEAD_DIM:
-            raise ValueError(f"the CPU decode kernel takes head_dim <= {_MAX_HEAD_DIM}, got {cfg.dim_head}")
+        if cfg.dim_head > (limit := lib.mf_max_head_dim()):
+            raise ValueError(f"the CPU decode kernel takes head_dim <= {limit}, got {cfg.dim_head}")
         self._lib = lib
         b, s = key_valid.shape
         d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head

@@ -14,6 +14,7 @@ from launch.engines.base import EngineError, Request, make_requests, request_see
 from launch.engines.embedded import EmbeddedEngine
 from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, hf_named_tensors, tensor_sync
 from launch.engines.sglang_api import TENSOR_FORMAT, encode_tensors, parse_generate_reply
+from launch.rollout_server import server_ops
 from miles_fn import model, prng
 from miles_fn.config import ModelConfig
 from miles_fn.generate import generate
@@ -25,6 +26,9 @@ CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layer
                   max_position_embeddings=64)
 SAMPLING = SamplingConfig(temperature=1.0, top_k=0, top_p=0.95, max_new_tokens=6, stop_token_ids=(2,))
 PROMPTS = [[1, 5 + i % 7, 9, 3 + i % 5][: 2 + i % 3] for i in range(10)]
+# The kernels a server started without flags runs (the C decode step where it applies): the in-process
+# references below use them too, since these tests are about the wire and recovery, not the kernels.
+SERVER_OPS = server_ops(False, 0, 0)
 FAST = RecoveryPolicy(max_restarts=2, backoff_s=0.01, start_timeout_s=60)
 
 
@@ -113,7 +117,8 @@ def test_generate_speaks_sglang_native_shapes(server, ckpt):
     code, reply = post(url, "/generate", body)
     assert code == 200 and isinstance(reply, list) and len(reply) == 3
     _, p0 = hf.load_hf(ckpt)
-    ref = generate(p0, CFG, PROMPTS[:3], key, SAMPLING)
+    # The server's own kernels (the C decode step where it applies): this test is about the wire.
+    ref = generate(p0, CFG, PROMPTS[:3], key, SAMPLING, ops_cfg=SERVER_OPS)
     for i, item in enumerate(reply):
         meta = item["meta_info"]
         assert item["output_ids"] == ref.tokens[i]
@@ -131,7 +136,7 @@ def test_http_engine_equals_embedded_and_follows_weight_updates(server):
     proc, url = server
     p1, p2 = params_for(1), params_for(2)
     remote = RemoteEngine(CFG, p1, 1, url=url, sync=tensor_sync(CFG), batch_size=3, max_inflight=4, recovery=FAST)
-    local = EmbeddedEngine(CFG, p1, 1, batch_size=3)
+    local = EmbeddedEngine(CFG, p1, 1, batch_size=3, ops_cfg=SERVER_OPS)
     reqs = make_requests(PROMPTS, prng.key(5))
     assert remote.generate(reqs, SAMPLING) == local.generate(reqs, SAMPLING)
 
@@ -168,7 +173,7 @@ def test_killed_owned_server_is_restarted_given_weights_and_requests_reissued(ck
         reqs = make_requests(PROMPTS, prng.key(6))
         got = remote.generate(reqs, SAMPLING)
         assert remote.recoveries == 1 and proc.starts == 2
-        assert got == EmbeddedEngine(CFG, p1, 3, batch_size=2).generate(reqs, SAMPLING)
+        assert got == EmbeddedEngine(CFG, p1, 3, batch_size=2, ops_cfg=SERVER_OPS).generate(reqs, SAMPLING)
     finally:
         remote.close()
     assert proc.proc is None
@@ -182,7 +187,8 @@ def test_server_crashing_mid_batch_gives_complete_batch(ckpt, tmp_path):
                           recovery=FAST)
     try:
         reqs = make_requests(PROMPTS, prng.key(8))
-        assert remote.generate(reqs, SAMPLING) == EmbeddedEngine(CFG, p0, 0, batch_size=2).generate(reqs, SAMPLING)
+        local = EmbeddedEngine(CFG, p0, 0, batch_size=2, ops_cfg=SERVER_OPS)
+        assert remote.generate(reqs, SAMPLING) == local.generate(reqs, SAMPLING)
         assert remote.recoveries == 1
     finally:
         remote.close()
@@ -252,7 +258,7 @@ def test_update_from_disk_pause_and_flush(server, tmp_path):
     code, reply = post(url, "/generate", {"input_ids": [PROMPTS[0]], "sampling_params": [
         {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 6, "stop_token_ids": [2], "sampling_seed": 77}]})
     assert code == 200
-    assert parse_generate_reply(reply, 1, url) == EmbeddedEngine(CFG, p2, 2).generate(req, SAMPLING)
+    assert parse_generate_reply(reply, 1, url) == EmbeddedEngine(CFG, p2, 2, ops_cfg=SERVER_OPS).generate(req, SAMPLING)
 
 
 def test_malformed_replies_are_engine_errors():

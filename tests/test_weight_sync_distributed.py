@@ -9,7 +9,7 @@ from launch.engines.embedded import EmbeddedEngine
 from launch.engines.remote import RemoteEngine
 from launch.engines.weight_group import DistributedSync, dtype_name, parse_dtype
 from miles_fn import model, prng
-from tests.test_rollout_server import CFG, FAST, PROMPTS, SAMPLING, ckpt, params_for, post, server_process  # noqa: F401
+from tests.test_rollout_server import CFG, FAST, PROMPTS, SAMPLING, SERVER_OPS, ckpt, params_for, post, server_process  # noqa: F401
 
 
 def test_distributed_sync_gives_the_server_the_trainers_weights(ckpt, tmp_path):  # noqa: F811
@@ -21,13 +21,14 @@ def test_distributed_sync_gives_the_server_the_trainers_weights(ckpt, tmp_path):
     try:
         assert post(url, "/get_model_info", {})[1]["weight_version"] == "1"
         reqs = make_requests(PROMPTS, prng.key(5))
-        assert remote.generate(reqs, SAMPLING) == EmbeddedEngine(CFG, p1, 1, batch_size=3).generate(reqs, SAMPLING)
+        local = EmbeddedEngine(CFG, p1, 1, batch_size=3, ops_cfg=SERVER_OPS)
+        assert remote.generate(reqs, SAMPLING) == local.generate(reqs, SAMPLING)
 
         remote.update_weights(2, p2)  # the same group carries the next version
         assert sync.groups_formed == 1
         assert post(url, "/get_model_info", {})[1]["weight_version"] == "2"
         got = remote.generate(reqs, SAMPLING)
-        assert got == EmbeddedEngine(CFG, p2, 2, batch_size=3).generate(reqs, SAMPLING)
+        assert got == EmbeddedEngine(CFG, p2, 2, batch_size=3, ops_cfg=SERVER_OPS).generate(reqs, SAMPLING)
         # The trainer's view: teacher-forced log-probs of the served tokens under its own weights.
         for r, s in zip(reqs, got, strict=True):
             toks = torch.tensor([r.input_ids + s.tokens])
@@ -69,7 +70,8 @@ def test_server_dying_mid_broadcast_is_restarted_and_the_group_formed_again(ckpt
         assert remote.recoveries == 1 and proc.starts == 2 and sync.groups_formed == 2
         assert remote.client.weight_version() == 3
         reqs = make_requests(PROMPTS, prng.key(6))
-        assert remote.generate(reqs, SAMPLING) == EmbeddedEngine(CFG, p1, 3, batch_size=2).generate(reqs, SAMPLING)
+        local = EmbeddedEngine(CFG, p1, 3, batch_size=2, ops_cfg=SERVER_OPS)
+        assert remote.generate(reqs, SAMPLING) == local.generate(reqs, SAMPLING)
     finally:
         remote.close()
 

@@ -17,7 +17,7 @@ extern void sgemm_(const char *transa, const char *transb, const int *m, const i
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
-#define MAX_HEAD_DIM 1024
+#define MAX_HEAD_DIM 1024  /* rope's scratch; Python reads it from mf_max_head_dim */
 
 typedef struct {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, vocab, layers, max_len, n_new;
@@ -190,6 +190,8 @@ static void swiglu(float *gu, int64_t rows, int64_t inter) {
 
 /* Decode step t (cache column col) for tokens [B]: writes this step's keys/values into the caches
  * and the logits [B, V]. Returns 0; 1 when t or col lies outside the plan; 2 for a token outside the vocabulary. */
+int64_t mf_max_head_dim(void) { return MAX_HEAD_DIM; }
+
 int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
     const int64_t B = m->rows, H = m->hidden, D = m->head_dim, nq = m->heads * D, nkv = m->kv_heads * D;
     const int64_t I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
