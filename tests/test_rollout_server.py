@@ -117,7 +117,6 @@ def test_generate_speaks_sglang_native_shapes(server, ckpt):
     code, reply = post(url, "/generate", body)
     assert code == 200 and isinstance(reply, list) and len(reply) == 3
     _, p0 = hf.load_hf(ckpt)
-    # The server's own kernels (the C decode step where it applies): this test is about the wire.
     ref = generate(p0, CFG, PROMPTS[:3], key, SAMPLING, ops_cfg=SERVER_OPS)
     for i, item in enumerate(reply):
         meta = item["meta_info"]

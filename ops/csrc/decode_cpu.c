@@ -188,10 +188,10 @@ static void swiglu(float *gu, int64_t rows, int64_t inter) {
     }
 }
 
-/* Decode step t (cache column col) for tokens [B]: writes this step's keys/values into the caches
- * and the logits [B, V]. Returns 0; 1 when t or col lies outside the plan; 2 for a token outside the vocabulary. */
 int64_t mf_max_head_dim(void) { return MAX_HEAD_DIM; }
 
+/* Decode step t (cache column col) for tokens [B]: writes this step's keys/values into the caches
+ * and the logits [B, V]. Returns 0; 1 when t or col lies outside the plan; 2 for a token outside the vocabulary. */
 int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
     const int64_t B = m->rows, H = m->hidden, D = m->head_dim, nq = m->heads * D, nkv = m->kv_heads * D;
     const int64_t I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
