@@ -1,6 +1,7 @@
 """The default job learns: a shortened run of the shipped flagfile raises held-out success.
 
-The full job (700 steps) reaches 0.99 from 0.15. After 400 steps held-out success must at
+The full job (700 steps) reached 0.965 from 0.102 at step 650 on 2026-12-04 (README).
+After 400 steps held-out success must at
 least double and gain 0.15 (5 standard errors of a 256-prompt estimate), which no run whose
 gradients point the wrong way or whose rewards, advantages or masks are misaligned can do.
 The bound is relative to step 0 because the trajectory depends on the CPU: MKL picks its GEMM
