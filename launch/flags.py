@@ -7,6 +7,7 @@ shell receives plain frozen dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from absl import flags
 
@@ -66,9 +67,11 @@ flags.DEFINE_integer("max_new_tokens", 0, "Response length cap (0 = what the tas
 
 # Optimisation
 flags.DEFINE_float("lr", 1e-3, "Peak learning rate of the RL phase.", lower_bound=0.0)
-flags.DEFINE_float("min_lr", 0.0, "Final learning rate of the cosine decay.", lower_bound=0.0)
-flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps.", lower_bound=0)
-flags.DEFINE_integer("decay_steps", 0, "Cosine decay steps after warm-up (0 = constant).", lower_bound=0)
+flags.DEFINE_float("min_lr", 0.0, "Floor the learning rate decays to (--lr_decay).", lower_bound=0.0)
+flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps of the RL phase.", lower_bound=0)
+flags.DEFINE_integer("decay_steps", 0, "Steps after warm-up over which --lr decays to --min_lr (0 = constant).",
+                     lower_bound=0)
+flags.DEFINE_enum("lr_decay", "cosine", ["cosine", "linear"], "Shape of the decay over --decay_steps.")
 flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
 flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off).", lower_bound=0.0)
 flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
@@ -165,7 +168,10 @@ flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, cras
                     "weight update) or group_unreachable; see launch/engines/__init__.py.")
 flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
 flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
-flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function stops the run, or scores 0.")
+flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function (it raises, returns nan, "
+                  "inf or a non-number, or overruns --reward_timeout_s) stops the run, or scores 0.")
+flags.DEFINE_float("reward_timeout_s", 300.0, "Seconds one --custom_reward_fn call may take (0 = no limit); past it "
+                   "the sample fails as under --reward_errors.", lower_bound=0.0)
 flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
 flags.DEFINE_string("eval_data", "", "JSONL held-out prompts (same keys as --prompt_data) for evaluation: greedy, "
                     "generated and scored as the run's rollouts are; needs --prompt_data. Without it a "
@@ -302,6 +308,33 @@ flags.register_multi_flags_validator(
     lambda v: v["hidden_size"] % v["num_heads"] == 0,
     "--hidden_size must divide by --num_heads",
 )
+flags.register_multi_flags_validator(
+    ["hidden_size", "num_heads"],
+    lambda v: v["hidden_size"] % v["num_heads"] or (v["hidden_size"] // v["num_heads"]) % 2 == 0,
+    "--hidden_size / --num_heads (the head size) must be even: RoPE rotates pairs of dimensions",
+)
+flags.register_validator("top_p", lambda v: v > 0, "--top_p must be in (0, 1]: 0 would keep no token")
+flags.register_validator("eps_clip_high", lambda v: v == -1 or v >= 0, "--eps_clip_high must be >= 0 (or -1 = "
+                         "--eps_clip)")
+flags.register_validator("dual_clip_c", lambda v: v > 1, "--dual_clip_c must be > 1")
+for _beta in ("adam_beta1", "adam_beta2"):
+    flags.register_validator(_beta, lambda v: v < 1, f"--{_beta} must be < 1: at 1 Adam's bias correction divides "
+                             "by zero")
+flags.register_multi_flags_validator(
+    ["mis_low", "mis_high"], lambda v: not v["mis_low"] >= v["mis_high"], "--mis_low must be below --mis_high")
+flags.register_multi_flags_validator(
+    ["min_lr", "lr"], lambda v: not v["min_lr"] > v["lr"], "--min_lr must not exceed --lr (the schedule decays to it)")
+
+# (The two comparisons above pass NaN on, so that the finite check at the end names the flag.)
+# Estimators whose baseline is the group's other samples: with one sample a group every advantage is 0.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+flags.register_multi_flags_validator(
+    ["advantage_estimator", "group_size"],
+    lambda v: v["advantage_estimator"] not in GROUP_ESTIMATORS or v["group_size"] >= 2,
+    f"--group_size must be at least 2 for --advantage_estimator in {list(GROUP_ESTIMATORS)}: their baseline is the "
+    "group's mean, so with one sample a group every advantage is 0 and nothing is learned (use "
+    "--advantage_estimator=reinforce or reinforce_pp for one sample a prompt)",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +416,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         min_lr=f.min_lr,
         warmup_steps=f.warmup_steps,
         decay_steps=f.decay_steps,
+        decay=f.lr_decay,
         beta1=f.adam_beta1,
         beta2=f.adam_beta2,
         weight_decay=f.weight_decay,
@@ -495,6 +529,7 @@ def rollout_config_from_flags() -> RolloutConfig:
         custom_generate_fn=f.custom_generate_fn,
         custom_reward_fn=f.custom_reward_fn,
         reward_errors=f.reward_errors,
+        reward_timeout_s=f.reward_timeout_s,
         prompt_data=f.prompt_data,
         eval_data=f.eval_data,
         input_key=f.input_key,
@@ -510,3 +545,14 @@ def flag_values_dict() -> dict[str, object]:
     """The run's flags that this module defines, for checkpoint metadata and snapshots."""
     names = [n for n, fl in FLAGS.__flags.items() if n == fl.name and FLAGS.find_module_defining_flag(n) == __name__]
     return {n: FLAGS[n].value for n in sorted(names)}
+
+
+def _register_finite_validators() -> None:
+    """NaN passes every lower/upper bound (all comparisons are false), so each float flag is checked apart."""
+    for name, fl in FLAGS.__flags.items():
+        if name == fl.name and fl.flag_type() == "float" and FLAGS.find_module_defining_flag(name) == __name__:
+            flags.register_validator(name, lambda v: v is None or math.isfinite(v),
+                                     f"--{name} must be a finite number (not nan or inf)")
+
+
+_register_finite_validators()

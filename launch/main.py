@@ -21,7 +21,7 @@ from absl import app, flags
 
 import ops
 import third_party
-from launch import data, debug, modes, partial, profiling, resume, rl, steps
+from launch import data, debug, modes, partial, profiling, resume, rl, run_dir, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
 from launch import rollout as rollout_lib
@@ -29,7 +29,7 @@ from launch import sft as sft_data
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
-from launch.metrics import MetricsWriter, plot_curves, to_floats
+from launch.metrics import MetricsFileError, MetricsWriter, plot_curves, to_floats
 from launch.plugins import PluginError
 from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
@@ -113,13 +113,14 @@ def build(cfg: run_flags.RunConfig) -> Job:
         try:
             mcfg, params = hf.load_hf(cfg.hf_checkpoint)
         except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"--hf_checkpoint={cfg.hf_checkpoint}: {e}") from e
+            raise UserError(f"--hf_checkpoint={cfg.hf_checkpoint}: {type(e).__name__}: {e}") from e
         if mcfg.vocab_size < task.tokenizer.vocab_size:
             raise UserError(f"--hf_checkpoint={cfg.hf_checkpoint}: vocab {mcfg.vocab_size} is smaller than the "
                             f"task tokenizer's {task.tokenizer.vocab_size}")
         cfg = dataclasses.replace(cfg, model=mcfg)
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
+    check_positions(cfg, task)
     state = train.init_state(params, root)
     rollout_task: Any = task
     if cfg.tokenizer:
@@ -142,6 +143,21 @@ def build(cfg: run_flags.RunConfig) -> Job:
         eval_set = (prompts[: cfg.eval_size], labels[: cfg.eval_size])
     return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size), rollout_task=rollout_task, pool=pool,
                eval_set=eval_set)
+
+
+def check_positions(cfg: run_flags.RunConfig, task: AdditionTask) -> None:
+    """The task's longest prompt plus --max_new_tokens must fit the model's positions (--prompt_data rows are
+    checked row by row when they are read)."""
+    if cfg.rollout.prompt_data or cfg.rollout.load_rollouts:
+        return
+    longest = len(task.prompt_ids(task.max_operand - 1, task.max_operand - 1))
+    limit = cfg.model.max_position_embeddings
+    if longest + cfg.sampling.max_new_tokens > limit:
+        where = f"--hf_checkpoint={cfg.hf_checkpoint}'s max_position_embeddings" if cfg.hf_checkpoint else (
+            "the randomly initialised model's positions")
+        raise UserError(f"--max_new_tokens={cfg.sampling.max_new_tokens} with the task's prompts of up to {longest} "
+                        f"tokens needs {longest + cfg.sampling.max_new_tokens} positions, more than {where} "
+                        f"({limit}); lower --max_new_tokens to at most {limit - longest}")
 
 
 def evaluate(job: Job) -> float:
@@ -283,6 +299,12 @@ def restore(job: Job) -> None:
 
 
 def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
+    """The whole job, holding --output_dir's lock from before its first write to after its last."""
+    with run_dir.held(cfg.output_dir):
+        return _run(cfg)
+
+
+def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
     if cfg.profile_steps is not None and cfg.profile_steps[1] > cfg.num_steps:
         a, b = cfg.profile_steps
         raise UserError(f"--profile_steps={a}:{b} goes past the run's last RL step (--num_steps={cfg.num_steps})")
@@ -290,6 +312,12 @@ def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         modes.check(cfg)
     except ValueError as e:
         raise UserError(str(e)) from e
+    if cfg.rollout.save_rollouts:
+        try:
+            os.makedirs(cfg.rollout.save_rollouts, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--save_rollouts={cfg.rollout.save_rollouts} cannot be created ({e.strerror}); choose "
+                            f"another directory") from e
     setup_torch(cfg)
     job = build(cfg)
     cfg = job.cfg
@@ -450,8 +478,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
     try:
         summary = run(config_from_flags())
-    except (UserError, launch_memory.MemoryPlanError, EngineError, PluginError, DataError, RolloutFileError,
-            resume.ResumeError, steps.StepFailed) as e:
+    except (UserError, run_dir.RunDirError, MetricsFileError, launch_memory.MemoryPlanError, EngineError,
+            PluginError, DataError, RolloutFileError, resume.ResumeError, steps.StepFailed) as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 

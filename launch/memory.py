@@ -95,6 +95,12 @@ def plan_budget(cfg: MemoryConfig, model_cfg: ModelConfig, lengths: list[int], d
                                           bpt)
     except ValueError as e:
         raise MemoryPlanError(str(e)) from e
+    if budget < max(lengths) and budget == cfg.max_tokens_per_micro_batch:
+        raise MemoryPlanError(
+            f"--max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} is less than the longest sample's "
+            f"{max(lengths)} tokens (prompt + response): a sample is never split across micro-batches; raise it to "
+            f"at least {max(lengths)}"
+        )
     if budget < max(lengths):
         raise MemoryPlanError(
             f"--memory_margin_gb={cfg.memory_margin_gb} leaves room for {budget} tokens a micro-batch "

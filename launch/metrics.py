@@ -33,22 +33,45 @@ def jsonl_row(step: int, values: dict[str, float]) -> str:
     return json.dumps({"step": step, **{k: values[k] for k in sorted(values)}}, allow_nan=True) + "\n"
 
 
-def truncate_jsonl(path: str, step: int) -> None:
-    """Keep the rows of steps <= step (and drop a torn last line), atomically; a resumed run appends after them."""
+class MetricsFileError(Exception):
+    """metrics.jsonl cannot be continued (missing, malformed or with steps missing): the message names the file."""
+
+
+def truncate_jsonl(path: str, step: int, required: bool = False) -> None:
+    """Keep the rows of steps <= step (and drop a torn last line), atomically; a resumed run appends after them.
+
+    With `required` (metrics.jsonl) the kept rows must be exactly steps 1..step, the ones the checkpoint
+    says were run: a deleted or cut file would otherwise be continued without a word and the run's record
+    would silently lack them.
+    """
     if not os.path.exists(path):
+        if required and step > 0:
+            raise MetricsFileError(f"--resume: {path} is missing, but the checkpoint has {step} RL steps done; "
+                                   f"restore the file, or start a fresh run in another --output_dir")
         return
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
     kept = []
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         if not line.endswith("\n"):
             break  # the writer was killed in the middle of this line
-        if json.loads(line)["step"] > step:
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise MetricsFileError(f"--resume: {path} line {n} is not a metrics row ({type(e).__name__}: {e}): "
+                                   f"{line[:80]!r}; repair or remove that line") from None
+        if row_step > step:
             break
-        kept.append(line)
+        kept.append(row_step)
+    if required and kept != list(range(1, step + 1)):
+        missing = sorted(set(range(1, step + 1)) - set(kept))
+        raise MetricsFileError(f"--resume: {path} does not hold the rows of steps 1..{step} that the checkpoint has "
+                               f"done (missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                               f"found {len(kept)} rows); restore the file, or start a fresh run in another "
+                               f"--output_dir")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.writelines(kept)
+        f.writelines(lines[: len(kept)])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -63,7 +86,7 @@ class MetricsWriter:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.timings_path = os.path.join(output_dir, "timings.jsonl")
         if resume_step is not None:
-            truncate_jsonl(self.path, resume_step)
+            truncate_jsonl(self.path, resume_step, required=True)
             truncate_jsonl(self.timings_path, resume_step)
         mode = "w" if resume_step is None else "a"
         self._file = open(self.path, mode)

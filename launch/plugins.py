@@ -1,9 +1,11 @@
 """User hooks by import path: `--custom_reward_fn=module:function`, `--custom_generate_fn=module:function`.
 
-Reward function: fn(sample: RewardInput) -> float, or an async def returning one (all samples of
-a step are then awaited together). An exception in it becomes RewardError naming the sample
-(index, prompt, response, label) and the exception; with `--reward_errors=zero` the sample scores
-0, the step's `reward_errors` metric counts it and one line per failure goes to stderr.
+Reward function: fn(sample: RewardInput) -> a real number (float, int, numpy.float32, a one-element
+tensor), or an async def returning one (all samples of a step are then awaited together). An
+exception in it, a value that is not a finite real number (nan, inf, a string, a bool), or a call
+longer than `--reward_timeout_s` becomes RewardError naming the sample (index, prompt, response,
+label) and the cause; with `--reward_errors=zero` the sample scores 0, the step's `reward_errors`
+metric counts it and one line per failure goes to stderr.
 
 Generate function (multi-turn, tools): fn(engine, requests, sampling, ctx: GenerateContext)
 -> list[Trajectory], one per request in order. A trajectory's tokens are everything after the
@@ -18,7 +20,11 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import math
+import numbers
+import queue
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -75,15 +81,64 @@ def load_function(spec: str, flag: str) -> Callable[..., Any]:
     return fn
 
 
-def compute_rewards(fn: Callable[[RewardInput], Any], samples: Sequence[RewardInput], on_error: str = "raise"
-                    ) -> tuple[list[float], int]:
-    """(rewards, number of samples whose reward function failed). Async functions run concurrently."""
+def as_reward(value: Any) -> float:
+    """A reward as a finite float: any real number (int, float, numpy.float32, a one-element tensor or array);
+    TypeError for anything else (bool included: True is an int, but never a meant score), ValueError for nan/inf."""
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:
+            value = value.item()  # a numpy or torch scalar, or a one-element array or tensor
+        except (ValueError, RuntimeError):
+            pass  # more than one element: refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float (any finite real number)")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"returned {out}, expected a finite number")
+    return out
+
+
+class _Worker:
+    """One daemon thread that runs sync reward calls in order, so that a call can be waited for with a limit.
+    A call past the limit is abandoned with its thread (Python cannot stop a thread); the next call gets a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="reward-fn", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, arg, box, done = self._jobs.get()
+            try:
+                box.append((fn(arg), None))
+            except Exception as e:  # noqa: BLE001 (reported with its sample)
+                box.append((None, e))
+            done.set()
+
+    def call(self, fn: Callable[[Any], Any], arg: Any, timeout_s: float) -> tuple[Any, BaseException | None, bool]:
+        """(value, error, timed_out)."""
+        box: list[tuple[Any, BaseException | None]] = []
+        done = threading.Event()
+        self._jobs.put((fn, arg, box, done))
+        if not done.wait(timeout_s):
+            return None, None, True
+        return (*box[0], False)
+
+
+def compute_rewards(fn: Callable[[RewardInput], Any], samples: Sequence[RewardInput], on_error: str = "raise",
+                    timeout_s: float = 0.0) -> tuple[list[float], int]:
+    """(rewards, number of samples whose reward function failed). Async functions run concurrently.
+
+    A call that raises, returns something that is not a finite real number, or takes longer than
+    `timeout_s` (--reward_timeout_s; 0 = no limit) fails its sample: RewardError naming it, or a 0 under
+    --reward_errors=zero.
+    """
 
     def settle(s: RewardInput, value: Any, error: BaseException | None) -> float | None:
-        if error is None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            error = TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
         if error is None:
-            return float(value)
+            try:
+                return as_reward(value)
+            except (TypeError, ValueError) as e:
+                error = e
         frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         msg = (f"reward function failed on sample {s.index} (prompt {s.prompt!r}, response {s.response!r}, "
@@ -93,16 +148,17 @@ def compute_rewards(fn: Callable[[RewardInput], Any], samples: Sequence[RewardIn
         print(f"warning: {msg}; scored 0", file=sys.stderr, flush=True)
         return None
 
-    def call(s: RewardInput) -> tuple[Any, BaseException | None]:
-        try:
-            return fn(s), None
-        except Exception as e:  # noqa: BLE001 (reported with its sample)
-            return None, e
+    def timed_out() -> TimeoutError:
+        return TimeoutError(f"did not return within --reward_timeout_s={timeout_s:g} seconds")
 
     if inspect.iscoroutinefunction(fn):
         async def one(s: RewardInput) -> tuple[Any, BaseException | None]:
             try:
+                if timeout_s > 0:
+                    return await asyncio.wait_for(fn(s), timeout_s), None
                 return await fn(s), None
+            except asyncio.TimeoutError:
+                return None, timed_out()
             except Exception as e:  # noqa: BLE001
                 return None, e
 
@@ -110,8 +166,21 @@ def compute_rewards(fn: Callable[[RewardInput], Any], samples: Sequence[RewardIn
             return list(await asyncio.gather(*(one(s) for s in samples)))
 
         results = asyncio.run(all_of())
+    elif timeout_s > 0:
+        results, worker = [], None
+        for s in samples:
+            worker = worker or _Worker()
+            value, error, late = worker.call(fn, s, timeout_s)
+            if late:
+                error, worker = timed_out(), None  # that thread is still inside fn: leave it
+            results.append((value, error))
     else:
-        results = [call(s) for s in samples]
+        results = []
+        for s in samples:
+            try:
+                results.append((fn(s), None))
+            except Exception as e:  # noqa: BLE001 (reported with its sample)
+                results.append((None, e))
     settled = [settle(s, v, e) for s, (v, e) in zip(samples, results, strict=True)]
     return [0.0 if v is None else v for v in settled], sum(v is None for v in settled)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
     obj: objective.ObjectiveConfig = cfg.objective
     model_cfg: ModelConfig = launch_memory.training_model_config(cfg.memory, cfg.model)
     if cfg.custom_loss:
-        policy_loss = load_factory(cfg.custom_loss)(model_cfg, obj)
+        policy_loss = build_custom_loss(cfg.custom_loss, model_cfg, obj)
     elif _is_default(cfg):
         policy_loss = train.make_grpo_loss(model_cfg, cfg.loss, cfg.ops, cfg.offpolicy)  # the default job
     else:
@@ -146,6 +147,20 @@ def load_factory(path: str) -> Callable[..., train.LossFn]:
     if not callable(fn):
         raise ValueError(f"--custom_loss={path}: {name} is not a function")
     return fn
+
+
+def build_custom_loss(path: str, model_cfg: ModelConfig, obj: objective.ObjectiveConfig) -> train.LossFn:
+    """--custom_loss's loss; ValueError naming the flag when its factory raises or returns no function."""
+    factory = load_factory(path)
+    try:
+        loss_fn = factory(model_cfg, obj)
+    except Exception as e:  # noqa: BLE001 (user code: any failure is reported with the flag)
+        frames = traceback.extract_tb(e.__traceback__)
+        at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        raise ValueError(f"--custom_loss={path}: the factory raised {type(e).__name__}: {e}{at}") from e
+    if not callable(loss_fn):
+        raise ValueError(f"--custom_loss={path}: the factory returned {type(loss_fn).__name__}, not a loss function")
+    return loss_fn
 
 
 def attach_critic(cfg: Any, state: Any) -> Any:

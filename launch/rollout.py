@@ -181,7 +181,7 @@ def score(task: Any, rcfg: RolloutConfig, prompts: Sequence[Sequence[int]], resp
         fn = plugins.load_function(rcfg.custom_reward_fn, "custom_reward_fn")
         inputs = [plugins.RewardInput(i, list(p), list(r), tok.decode(list(p)), tok.decode(list(r)), lab)
                   for i, (p, r, lab) in enumerate(zip(prompts, responses, labels, strict=True))]
-        return plugins.compute_rewards(fn, inputs, rcfg.reward_errors)
+        return plugins.compute_rewards(fn, inputs, rcfg.reward_errors, rcfg.reward_timeout_s)
     if rcfg.prompt_data:
         return [float(tok.eos_id in r and tok.decode(list(r)).strip() == str(lab).strip())
                 for r, lab in zip(responses, labels, strict=True)], 0

@@ -17,7 +17,8 @@ class OptimConfig:
     lr: float = 1e-3
     min_lr: float = 0.0
     warmup_steps: int = 0
-    decay_steps: int = 0  # cosine decay length after warm-up; 0 = constant after warm-up
+    decay_steps: int = 0  # decay length after warm-up; 0 = constant after warm-up
+    decay: str = "cosine"  # cosine | linear, from lr down to min_lr over decay_steps
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -27,10 +28,11 @@ class OptimConfig:
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
-    """Linear warm-up from lr/warmup to lr, then cosine decay to min_lr over decay_steps.
+    """Linear warm-up from lr/warmup to lr, then cosine or linear decay to min_lr over decay_steps.
 
     lr(s) = lr * (s+1)/W                                  for s < W
-          = min + (lr - min) * (1 + cos(pi * p)) / 2,      p = min(1, (s - W) / D)
+          = min + (lr - min) * (1 + cos(pi * p)) / 2,      p = min(1, (s - W) / D)   (cosine)
+          = min + (lr - min) * (1 - p)                                              (linear)
     """
     if step < cfg.schedule_start:
         # Before its start a schedule has no value: warm-up would give a negative rate (or divide by zero).
@@ -42,6 +44,10 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     if cfg.decay_steps <= 0:
         return cfg.lr
     p = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    if cfg.decay == "linear":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - p)
+    if cfg.decay != "cosine":
+        raise ValueError(f"OptimConfig.decay must be 'cosine' or 'linear', got {cfg.decay!r}")
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 

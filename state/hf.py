@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from miles_fn.config import ModelConfig, from_hf_dict, to_hf_dict
@@ -54,9 +54,13 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
-            for k in f.keys():
-                out[k] = f.get_tensor(k)
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for k in f.keys():
+                    out[k] = f.get_tensor(k)
+        except (SafetensorError, OSError) as e:  # a truncated or garbage file, or one the index names but lacks
+            raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
     return out
 
 

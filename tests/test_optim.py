@@ -69,6 +69,15 @@ def test_warmup_cosine_schedule_values():
     assert optim.lr_at(optim.OptimConfig(lr=0.3), 1000) == 0.3
 
 
+def test_warmup_linear_schedule_values():
+    cfg = optim.OptimConfig(lr=1.0, min_lr=0.2, warmup_steps=2, decay_steps=8, decay="linear")
+    # p = (s - 2) / 8: 1.0 at s=2, 0.6 at s=6 (halfway), 0.2 from s=10 on
+    got = [optim.lr_at(cfg, s) for s in (0, 1, 2, 6, 10, 50)]
+    assert all(math.isclose(a, b) for a, b in zip(got, [0.5, 1.0, 1.0, 0.6, 0.2, 0.2], strict=True)), got
+    with pytest.raises(ValueError, match="'cosine' or 'linear'"):
+        optim.lr_at(optim.OptimConfig(decay_steps=4, decay="step"), 1)
+
+
 def test_schedule_start_offsets_the_schedule():
     cfg = optim.OptimConfig(lr=1.0, warmup_steps=2, schedule_start=10)
     assert [optim.lr_at(cfg, s) for s in (10, 11, 12)] == [0.5, 1.0, 1.0]

@@ -26,6 +26,7 @@ class RolloutConfig:
     custom_generate_fn: str = ""  # module:function
     custom_reward_fn: str = ""  # module:function
     reward_errors: str = "raise"  # raise | zero
+    reward_timeout_s: float = 300.0  # one reward call's limit (0 = none)
     prompt_data: str = ""  # JSONL path
     eval_data: str = ""  # JSONL path of held-out prompts, evaluated as --prompt_data rollouts are scored
     input_key: str = "input"
