@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 
 from absl import flags
 
@@ -29,7 +30,7 @@ from miles_fn.train import PolicyLossConfig
 
 FLAGS = flags.FLAGS
 
-# Run
+# == Run: what runs, where its outputs go
 flags.DEFINE_integer("seed", 0, "Root seed; every random draw of the run derives from it.", lower_bound=0)
 flags.DEFINE_integer("num_steps", 100, "RL steps (rollout + update).", lower_bound=0)
 flags.DEFINE_string("output_dir", "runs/default", "Where metrics, checkpoints and plots go.")
@@ -38,8 +39,9 @@ flags.DEFINE_integer("num_threads", 2, "torch intra-op threads.", lower_bound=1)
 flags.DEFINE_boolean("deterministic", True, "torch.use_deterministic_algorithms and fixed threading.")
 flags.DEFINE_boolean("tensorboard", True, "Also write TensorBoard event files.")
 flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+flags.DEFINE_boolean("resume", False, "Continue exactly from the latest checkpoint under <output_dir>/checkpoints.")
 
-# Model
+# == Model: a random init's shape, or a checkpoint
 flags.DEFINE_string("hf_checkpoint", "", "Start from this Hugging Face checkpoint directory instead of a random init.")
 flags.DEFINE_integer("hidden_size", 128, "Hidden size of a randomly initialised model.", lower_bound=8)
 flags.DEFINE_integer("intermediate_size", 384, "MLP size of a randomly initialised model.", lower_bound=8)
@@ -49,97 +51,37 @@ flags.DEFINE_integer("num_kv_heads", 2, "Key/value heads of a randomly initialis
 flags.DEFINE_enum("model_type", "qwen2", ["qwen2", "llama"], "Architecture of a randomly initialised model.")
 flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
 
-# Task
+# == Task and data: what is prompted and how it is scored (launch/data.py, launch/plugins.py)
 flags.DEFINE_enum("task", "addition", ["addition"], "The built-in task.")
 flags.DEFINE_boolean("task_reverse_answer", False, "Addition answers written least-significant digit first.")
 flags.DEFINE_boolean("task_fixed_width", False, "Zero-pad addition operands and sums to a fixed width.")
 flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task.", lower_bound=1, upper_bound=6)
 flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = at the end only).", lower_bound=0)
 flags.DEFINE_integer("eval_size", 256, "Held-out prompts per evaluation.", lower_bound=1)
+flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
+flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
+flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function (it raises, returns nan, "
+                  "inf or a non-number, or overruns --reward_timeout_s) stops the run, or scores 0.")
+flags.DEFINE_float("reward_timeout_s", 300.0, "Seconds one --custom_reward_fn call may take (0 = no limit); past it "
+                   "the sample fails as under --reward_errors.", lower_bound=0.0)
+flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
+flags.DEFINE_string("eval_data", "", "JSONL held-out prompts (same keys as --prompt_data) for evaluation: greedy, "
+                    "generated and scored as the run's rollouts are; needs --prompt_data. Without it a "
+                    "--prompt_data run skips evaluation (nan).")
+flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
+flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
+flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k samples per held-out prompt.",
+                     lower_bound=0)
+flags.DEFINE_string("tokenizer", "", "Hugging Face tokenizer directory for --prompt_data prompts (its chat template, "
+                    "if any, is applied; its EOS stops generation). Default: --hf_checkpoint's, when it holds one.")
 
-# Rollout
+# == Rollout: sampling and the engine that generates (launch/engines/)
 flags.DEFINE_integer("prompts_per_step", 32, "Prompts per RL step.", lower_bound=1)
 flags.DEFINE_integer("group_size", 8, "Samples per prompt (the GRPO group).", lower_bound=1)
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).", lower_bound=0)
 flags.DEFINE_integer("max_new_tokens", 0, "Response length cap (0 = what the task needs).", lower_bound=0)
-
-# Optimisation
-flags.DEFINE_float("lr", 1e-3, "Peak learning rate of the RL phase.", lower_bound=0.0)
-flags.DEFINE_float("min_lr", 0.0, "Floor the learning rate decays to (--lr_decay).", lower_bound=0.0)
-flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps of the RL phase.", lower_bound=0)
-flags.DEFINE_integer("decay_steps", 0, "Steps after warm-up over which --lr decays to --min_lr (0 = constant).",
-                     lower_bound=0)
-flags.DEFINE_enum("lr_decay", "cosine", ["cosine", "linear"], "Shape of the decay over --decay_steps.")
-flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
-flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off).", lower_bound=0.0)
-flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
-
-# Loss
-flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
-flags.DEFINE_boolean("shared_prefix", True, "Train a group's samples with their common prefix (the prompt) run "
-                     "once: the same gradient for fewer tokens (bitwise the same log-probs with --true_on_policy); "
-                     "packed micro-batches keep the plain forward.")
-flags.DEFINE_boolean("skip_zero_advantage_rows", True, "Train only the rows with a non-zero advantage (a group "
-                     "of equal rewards has none): the same update for less work, since those rows add exactly 0 to "
-                     "the loss and its gradient; the loss still divides by the whole batch's counts. Applies when "
-                     "every loss term scales with the advantage (no KL loss, no entropy bonus, no --custom_loss); "
-                     "the policy metrics are then over the trained rows (metric train_rows_frac).")
-flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
-flags.DEFINE_float("kl_coef", 0.0, "Weight of the KL to the initial policy (0 = no reference).", lower_bound=0.0)
-flags.DEFINE_enum("loss_agg", "token_mean", list(AGG_MODES), "Loss aggregation (see miles_fn.losses.aggregate).")
-flags.DEFINE_boolean("normalize_advantage_std", True, "GRPO std normalisation (off = Dr. GRPO).")
-
-# Supervised warm-up
-flags.DEFINE_integer("sft_warmup_steps", 0, "Supervised steps on task answers before RL (reported).", lower_bound=0)
-flags.DEFINE_integer("sft_batch_size", 64, "Examples per supervised step.", lower_bound=1)
-flags.DEFINE_float("sft_lr", 1e-3, "Learning rate of the supervised warm-up.", lower_bound=0.0)
-
-# Packing and memory (miles_fn.packing, miles_fn.memory, launch.memory)
-flags.DEFINE_integer("max_tokens_per_micro_batch", 0, "Pack samples into micro-batches of at most this many padded "
-                     "tokens and accumulate gradients over them (0 = the whole batch at once, right-padded).",
-                     lower_bound=0)
-flags.DEFINE_integer("pack_row_len", 0, "Tokens per packed row (0 = the step's longest sample; "
-                     "= --max_tokens_per_micro_batch gives one flash-attn varlen row per micro-batch).", lower_bound=0)
-flags.DEFINE_boolean("recompute", False, "Recompute each layer's activations in the backward pass (less memory, "
-                     "one more forward).")
-flags.DEFINE_float("memory_margin_gb", 0.0, "Memory the token-budget planner leaves free (CUDA: of mem_get_info; "
-                   "CPU: of MemAvailable).", lower_bound=0.0)
-flags.DEFINE_boolean("offload_train_state", False, "Park params and optimizer state in host memory while the "
-                     "rollout engine runs (colocated mode).")
-flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried "
-                     "(micro-batches exist only with --max_tokens_per_micro_batch).", lower_bound=0)
-flags.register_multi_flags_validator(
-    ["memory_margin_gb", "pack_row_len", "max_tokens_per_micro_batch"],
-    lambda v: v["max_tokens_per_micro_batch"] > 0 or (v["memory_margin_gb"] == 0 and v["pack_row_len"] == 0),
-    "--memory_margin_gb and --pack_row_len shape the micro-batches of --max_tokens_per_micro_batch: without a "
-    "budget (--max_tokens_per_micro_batch=0, the whole batch at once) they would do nothing; set one",
-)
-flags.register_multi_flags_validator(
-    ["pack_row_len", "max_tokens_per_micro_batch"],
-    lambda v: not v["pack_row_len"] or not v["max_tokens_per_micro_batch"]
-    or v["pack_row_len"] <= v["max_tokens_per_micro_batch"],
-    "--pack_row_len must not exceed --max_tokens_per_micro_batch",
-)
-# Profiling
-flags.DEFINE_string("profile_steps", "", "A:B writes torch.profiler Chrome traces of RL steps A..B (inclusive, "
-                    "numbered as in metrics.jsonl) under output_dir/profile/; empty = off.")
-
-
-def _profile_steps_ok(text: str) -> bool:
-    try:
-        parse_profile_steps(text)
-    except ValueError:
-        return False
-    return True
-
-
-flags.register_validator("profile_steps", _profile_steps_ok, "--profile_steps must be A:B with 1 <= A <= B, e.g. 3:5")
-
-
-# Rollout engine (launch/engines/)
 flags.DEFINE_enum("rollout_backend", "embedded", ["embedded", "http", "sglang"],
                   "Who generates: this process, launch.rollout_server over HTTP, or SGLang.")
 flags.DEFINE_integer("rollout_batch_size", 0, "Requests per engine call (0 = the whole step); results depend on it.",
@@ -160,52 +102,26 @@ flags.DEFINE_string("rollout_weight_group_host", "127.0.0.1", "distributed sync:
 flags.DEFINE_integer("sglang_tp_size", 1, "sglang: --tp-size of a started server.", lower_bound=1)
 flags.DEFINE_float("sglang_mem_fraction_static", 0.7, "sglang: --mem-fraction-static of a started server.",
                    lower_bound=0.05, upper_bound=0.99)
-flags.DEFINE_boolean("true_on_policy", False, "Engine and trainer run the batch-invariant ops (ops.INVARIANT): the "
-                     "embedded engine's log-probs equal the trainer's bit for bit; sglang: start it with "
-                     "--enable-deterministic-inference.")
-flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
-                    "(the started server dies on /generate call N), crash_in_sync:N (inside its Nth distributed "
-                    "weight update) or group_unreachable; see launch/engines/__init__.py.")
-flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
-flags.DEFINE_string("custom_reward_fn", "", "module:function scoring one sample, sync or async (launch/plugins.py).")
-flags.DEFINE_enum("reward_errors", "raise", ["raise", "zero"], "A failing reward function (it raises, returns nan, "
-                  "inf or a non-number, or overruns --reward_timeout_s) stops the run, or scores 0.")
-flags.DEFINE_float("reward_timeout_s", 300.0, "Seconds one --custom_reward_fn call may take (0 = no limit); past it "
-                   "the sample fails as under --reward_errors.", lower_bound=0.0)
-flags.DEFINE_string("prompt_data", "", "JSONL prompt dataset instead of the task's prompts (launch/data.py).")
-flags.DEFINE_string("eval_data", "", "JSONL held-out prompts (same keys as --prompt_data) for evaluation: greedy, "
-                    "generated and scored as the run's rollouts are; needs --prompt_data. Without it a "
-                    "--prompt_data run skips evaluation (nan).")
-flags.register_multi_flags_validator(
-    ["eval_data", "prompt_data"], lambda v: not v["eval_data"] or bool(v["prompt_data"]),
-    "--eval_data needs --prompt_data (the task's own held-out pairs are its evaluation set otherwise)")
-flags.DEFINE_string("input_key", "input", "Field of a --prompt_data row holding the prompt.")
-flags.DEFINE_string("label_key", "label", "Field of a --prompt_data row holding the label ('' = none).")
 flags.DEFINE_float("over_sampling", 1.0, "Draw this many times --prompts_per_step and train on the groups whose "
                    "rewards differ (then constant ones).", lower_bound=1.0)
-flags.DEFINE_integer("eval_pass_k", 0, "Also report pass@1 and pass@k from k samples per held-out prompt.",
-                     lower_bound=0)
 flags.DEFINE_string("save_rollouts", "", "Write each RL step's rollout buffer under DIR/step_N.")
 flags.DEFINE_string("load_rollouts", "", "Train from buffers saved by --save_rollouts in DIR (no rollout).")
-flags.DEFINE_string("tokenizer", "", "Hugging Face tokenizer directory for --prompt_data prompts (its chat template, "
-                    "if any, is applied; its EOS stops generation). Default: --hf_checkpoint's, when it holds one.")
-# Loop modes (launch/modes.py)
-flags.DEFINE_boolean("debug_rollout_only", False, "Debug the rollout side alone: roll out and score every step, "
-                     "log metrics (and --save_rollouts), never train, sync weights or checkpoint.")
-flags.DEFINE_boolean("debug_train_only", False, "Debug the trainer alone: no rollout engine is built; each step "
-                     "trains on --load_rollouts=DIR (required), and evaluation is skipped.")
-flags.DEFINE_boolean("partial_rollouts", False, "With --over_sampling > 1: generate in rounds of "
-                     "--partial_rollout_tokens; once a step has enough finished groups the rest stop and carry "
-                     "their partial responses into the next step, which continues them (launch/partial.py).")
-flags.DEFINE_integer("partial_rollout_tokens", 0, "New tokens per sample per generation round under "
-                     "--partial_rollouts (0 = a quarter of max_new_tokens, at least 1).", lower_bound=0)
-flags.DEFINE_boolean("async_rollout", False, "Roll out step k+1 while step k trains (one step off-policy: step "
-                     "k+1's samples come from the weights before step k's update); logs staleness_mean/max.")
-flags.register_validator(
-    "debug_rollout_server_fault", lambda v: not v or engines.valid_fault(v),
-    f"--debug_rollout_server_fault must be {engines.FAULTS}",
-)
-# Algorithm library (miles_fn.advantages / losses / objective / dapo; launch/flags/*.flags show combinations)
+
+# == Algorithm: advantages, policy loss, KL, DAPO shaping (miles_fn.advantages / losses / objective;
+#    launch/flags/*.flags show combinations)
+flags.DEFINE_float("eps_clip", 0.2, "PPO clip epsilon (low side).", lower_bound=0.0)
+flags.DEFINE_boolean("shared_prefix", True, "Train a group's samples with their common prefix (the prompt) run "
+                     "once: the same gradient for fewer tokens (bitwise the same log-probs with --true_on_policy); "
+                     "packed micro-batches keep the plain forward.")
+flags.DEFINE_boolean("skip_zero_advantage_rows", True, "Train only the rows with a non-zero advantage (a group "
+                     "of equal rewards has none): the same update for less work, since those rows add exactly 0 to "
+                     "the loss and its gradient; the loss still divides by the whole batch's counts. Applies when "
+                     "every loss term scales with the advantage (no KL loss, no entropy bonus, no --custom_loss); "
+                     "the policy metrics are then over the trained rows (metric train_rows_frac).")
+flags.DEFINE_float("eps_clip_high", -1.0, "PPO clip epsilon, high side (-1 = eps_clip).")
+flags.DEFINE_float("kl_coef", 0.0, "Weight of the KL to the initial policy (0 = no reference).", lower_bound=0.0)
+flags.DEFINE_enum("loss_agg", "token_mean", list(AGG_MODES), "Loss aggregation (see miles_fn.losses.aggregate).")
+flags.DEFINE_boolean("normalize_advantage_std", True, "GRPO std normalisation (off = Dr. GRPO).")
 flags.DEFINE_enum("advantage_estimator", "grpo", sorted(ESTIMATORS),
                   "grpo, dr_grpo (no std), rloo, reinforce (batch-mean baseline), reinforce_pp, gae (PPO with a "
                   "value model).")
@@ -225,13 +141,47 @@ flags.DEFINE_integer("dynamic_sampling_max_rounds", 4, "Generation rounds per st
 flags.DEFINE_integer("overlong_buffer", 0, "DAPO soft overlong punishment over the last N tokens (0 = off).",
                      lower_bound=0)
 flags.DEFINE_float("overlong_penalty_factor", 1.0, "Size of the overlong punishment.", lower_bound=0.0)
-flags.DEFINE_boolean("sft", False, "Supervised fine-tuning on --sft_data for --num_steps steps, no rollouts.")
-flags.DEFINE_string("sft_data", "", "Prompt/response JSONL for --sft (e.g. examples/addition_sft.jsonl).")
 flags.DEFINE_string("custom_loss", "", "module:factory of a policy loss, factory(model_cfg, ObjectiveConfig) -> "
                     "loss_fn (e.g. examples.composed_loss:make_loss); replaces --policy_loss's.")
 
-# True on-policy, kernels and off-policy corrections (ops/, miles_fn/offpolicy.py)
-# (--true_on_policy is defined with the rollout flags above; here it selects ops.INVARIANT.)
+# == Optimisation: AdamW and the RL phase's learning-rate schedule (miles_fn/optim.py)
+flags.DEFINE_float("lr", 1e-3, "Peak learning rate of the RL phase.", lower_bound=0.0)
+flags.DEFINE_float("min_lr", 0.0, "Floor the learning rate decays to (--lr_decay).", lower_bound=0.0)
+flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps of the RL phase.", lower_bound=0)
+flags.DEFINE_integer("decay_steps", 0, "Steps after warm-up over which --lr decays to --min_lr (0 = constant).",
+                     lower_bound=0)
+flags.DEFINE_enum("lr_decay", "cosine", ["cosine", "linear"], "Shape of the decay over --decay_steps.")
+flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
+flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off).", lower_bound=0.0)
+flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
+
+# == Supervised: the warm-up before RL, and --sft runs
+flags.DEFINE_integer("sft_warmup_steps", 0, "Supervised steps on task answers before RL (reported).", lower_bound=0)
+flags.DEFINE_integer("sft_batch_size", 64, "Examples per supervised step.", lower_bound=1)
+flags.DEFINE_float("sft_lr", 1e-3, "Learning rate of the supervised warm-up.", lower_bound=0.0)
+flags.DEFINE_boolean("sft", False, "Supervised fine-tuning on --sft_data for --num_steps steps, no rollouts.")
+flags.DEFINE_string("sft_data", "", "Prompt/response JSONL for --sft (e.g. examples/addition_sft.jsonl).")
+
+# == Packing and memory: miles_fn.packing, miles_fn.memory, launch.memory
+flags.DEFINE_integer("max_tokens_per_micro_batch", 0, "Pack samples into micro-batches of at most this many padded "
+                     "tokens and accumulate gradients over them (0 = the whole batch at once, right-padded).",
+                     lower_bound=0)
+flags.DEFINE_integer("pack_row_len", 0, "Tokens per packed row (0 = the step's longest sample; "
+                     "= --max_tokens_per_micro_batch gives one flash-attn varlen row per micro-batch).", lower_bound=0)
+flags.DEFINE_boolean("recompute", False, "Recompute each layer's activations in the backward pass (less memory, "
+                     "one more forward).")
+flags.DEFINE_float("memory_margin_gb", 0.0, "Memory the token-budget planner leaves free (CUDA: of mem_get_info; "
+                   "CPU: of MemAvailable).", lower_bound=0.0)
+flags.DEFINE_boolean("offload_train_state", False, "Park params and optimizer state in host memory while the "
+                     "rollout engine runs (colocated mode).")
+flags.DEFINE_integer("max_oom_splits", 3, "Times an out-of-memory micro-batch may be halved and retried "
+                     "(micro-batches exist only with --max_tokens_per_micro_batch).", lower_bound=0)
+
+# == True on-policy and kernels: ops/, miles_fn/offpolicy.py
+flags.DEFINE_boolean("true_on_policy", False, "Engine and trainer run the batch-invariant ops (ops.INVARIANT): the "
+                     "embedded engine's log-probs equal the trainer's bit for bit; sglang: start it with "
+                     "--enable-deterministic-inference.")
 flags.DEFINE_enum("attention_backend", "torch", list(ops.config.ATTENTION_BACKENDS),
                   "Attention kernels: torch (SDPA / invariant blocked), flash_attn (varlen), flash_attn_3.")
 flags.DEFINE_enum("gemm_backend", "torch", list(ops.config.GEMM_BACKENDS), "GEMM kernels: torch or deep_gemm (FP8).")
@@ -253,38 +203,25 @@ flags.DEFINE_float("tis_cap", 2.0, "TIS: cap on the importance ratio pi_train / 
 flags.DEFINE_float("mis_low", 0.5, "MIS: tokens with a ratio below this leave the loss.", lower_bound=0.0)
 flags.DEFINE_float("mis_high", 2.0, "MIS: tokens with a ratio above this leave the loss.", lower_bound=0.0)
 
+# == Loop modes: launch/modes.py
+flags.DEFINE_boolean("debug_rollout_only", False, "Debug the rollout side alone: roll out and score every step, "
+                     "log metrics (and --save_rollouts), never train, sync weights or checkpoint.")
+flags.DEFINE_boolean("debug_train_only", False, "Debug the trainer alone: no rollout engine is built; each step "
+                     "trains on --load_rollouts=DIR (required), and evaluation is skipped.")
+flags.DEFINE_boolean("partial_rollouts", False, "With --over_sampling > 1: generate in rounds of "
+                     "--partial_rollout_tokens; once a step has enough finished groups the rest stop and carry "
+                     "their partial responses into the next step, which continues them (launch/partial.py).")
+flags.DEFINE_integer("partial_rollout_tokens", 0, "New tokens per sample per generation round under "
+                     "--partial_rollouts (0 = a quarter of max_new_tokens, at least 1).", lower_bound=0)
+flags.DEFINE_boolean("async_rollout", False, "Roll out step k+1 while step k trains (one step off-policy: step "
+                     "k+1's samples come from the weights before step k's update); logs staleness_mean/max.")
 
-def ops_config_from_flags() -> ops.OpsConfig:
-    f = FLAGS
-    return ops.OpsConfig(mode="invariant" if f.true_on_policy else "reference", attention_backend=f.attention_backend,
-                         gemm_backend=f.gemm_backend, compile=f.compile, tile_rows=f.invariant_tile_rows,
-                         kv_block=f.invariant_kv_block, decode_backend=f.decode_backend)
-
-
-def offpolicy_config_from_flags() -> OffPolicyConfig:
-    f = FLAGS
-    return OffPolicyConfig(correction=f.offpolicy_correction, tis_cap=f.tis_cap, mis_low=f.mis_low,
-                           mis_high=f.mis_high)
-
-
-flags.register_multi_flags_validator(
-    ["true_on_policy", "compile", "decode_backend"],
-    lambda v: v["decode_backend"] != "cpu_kernel" or not (v["true_on_policy"] or v["compile"]),
-    "--decode_backend=cpu_kernel cannot be combined with --true_on_policy or --compile: the C decode kernel is "
-    "neither batch-invariant nor compiled (--decode_backend=auto falls back to torch there)",
-)
-
-
-flags.register_multi_flags_validator(
-    ["true_on_policy", "compile"],
-    lambda v: not (v["true_on_policy"] and v["compile"]),
-    "--compile cannot be combined with --true_on_policy: torch.compile re-fuses the reductions the invariant "
-    "kernels fix, so engine and trainer would no longer agree bit for bit",
-)
-
-
-# Reproducibility: exact resume, step snapshots, and debug hooks for the tests of both
-flags.DEFINE_boolean("resume", False, "Continue exactly from the latest checkpoint under <output_dir>/checkpoints.")
+# == Debugging and replay: snapshots for `python -m launch.replay`, profiles, and debug hooks of the tests
+flags.DEFINE_string("profile_steps", "", "A:B writes torch.profiler Chrome traces of RL steps A..B (inclusive, "
+                    "numbered as in metrics.jsonl) under output_dir/profile/; empty = off.")
+flags.DEFINE_string("debug_rollout_server_fault", "", "Tests: crash_once:N, crash_always:N or crash_permanent:N "
+                    "(the started server dies on /generate call N), crash_in_sync:N (inside its Nth distributed "
+                    "weight update) or group_unreachable; see launch/engines/__init__.py.")
 flags.DEFINE_list("snapshot_steps", [], "RL steps (1-based, e.g. 1,5,9) to snapshot for `python -m launch.replay`; "
                   "a failed step is always snapshotted.")
 flags.DEFINE_integer("debug_nan_at_step", 0, "Debug: plant a NaN in the advantages of RL step K (0 = off).",
@@ -292,12 +229,55 @@ flags.DEFINE_integer("debug_nan_at_step", 0, "Debug: plant a NaN in the advantag
 flags.DEFINE_string("debug_block_at", "", "Debug: block forever at POINT:STEP, POINT one of sft_step, rl_step "
                     "(before the update of that 1-based step) or checkpoint_write (of the checkpoint of that "
                     "state step), so that a test can kill the job there.")
+
+# == Validation: flag combinations and values that no single bound expresses
+flags.register_multi_flags_validator(
+    ["memory_margin_gb", "pack_row_len", "max_tokens_per_micro_batch"],
+    lambda v: v["max_tokens_per_micro_batch"] > 0 or (v["memory_margin_gb"] == 0 and v["pack_row_len"] == 0),
+    "--memory_margin_gb and --pack_row_len shape the micro-batches of --max_tokens_per_micro_batch: without a "
+    "budget (--max_tokens_per_micro_batch=0, the whole batch at once) they would do nothing; set one",
+)
+flags.register_multi_flags_validator(
+    ["pack_row_len", "max_tokens_per_micro_batch"],
+    lambda v: not v["pack_row_len"] or not v["max_tokens_per_micro_batch"]
+    or v["pack_row_len"] <= v["max_tokens_per_micro_batch"],
+    "--pack_row_len must not exceed --max_tokens_per_micro_batch",
+)
+
+
+def _profile_steps_ok(text: str) -> bool:
+    try:
+        parse_profile_steps(text)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("profile_steps", _profile_steps_ok, "--profile_steps must be A:B with 1 <= A <= B, e.g. 3:5")
+flags.register_multi_flags_validator(
+    ["eval_data", "prompt_data"], lambda v: not v["eval_data"] or bool(v["prompt_data"]),
+    "--eval_data needs --prompt_data (the task's own held-out pairs are its evaluation set otherwise)")
+flags.register_validator(
+    "debug_rollout_server_fault", lambda v: not v or engines.valid_fault(v),
+    f"--debug_rollout_server_fault must be {engines.FAULTS}",
+)
+flags.register_multi_flags_validator(
+    ["true_on_policy", "compile", "decode_backend"],
+    lambda v: v["decode_backend"] != "cpu_kernel" or not (v["true_on_policy"] or v["compile"]),
+    "--decode_backend=cpu_kernel cannot be combined with --true_on_policy or --compile: the C decode kernel is "
+    "neither batch-invariant nor compiled (--decode_backend=auto falls back to torch there)",
+)
+flags.register_multi_flags_validator(
+    ["true_on_policy", "compile"],
+    lambda v: not (v["true_on_policy"] and v["compile"]),
+    "--compile cannot be combined with --true_on_policy: torch.compile re-fuses the reductions the invariant "
+    "kernels fix, so engine and trainer would no longer agree bit for bit",
+)
 flags.register_validator("snapshot_steps", lambda v: all(s.strip().isdigit() and int(s) > 0 for s in v),
                          "--snapshot_steps must be a comma-separated list of positive RL steps, e.g. 1,5,9")
 flags.register_validator("debug_block_at", lambda v: v == "" or (
     v.partition(":")[0] in ("sft_step", "rl_step", "checkpoint_write") and v.partition(":")[2].isdigit()),
     "--debug_block_at must be POINT:STEP with POINT one of sft_step, rl_step, checkpoint_write")
-
 flags.register_multi_flags_validator(
     ["num_heads", "num_kv_heads"],
     lambda v: v["num_heads"] % v["num_kv_heads"] == 0,
@@ -324,7 +304,6 @@ flags.register_multi_flags_validator(
     ["mis_low", "mis_high"], lambda v: not v["mis_low"] >= v["mis_high"], "--mis_low must be below --mis_high")
 flags.register_multi_flags_validator(
     ["min_lr", "lr"], lambda v: not v["min_lr"] > v["lr"], "--min_lr must not exceed --lr (the schedule decays to it)")
-
 # (The two comparisons above pass NaN on, so that the finite check at the end names the flag.)
 # Estimators whose baseline is the group's other samples: with one sample a group every advantage is 0.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -556,3 +535,47 @@ def _register_finite_validators() -> None:
 
 
 _register_finite_validators()
+
+
+def ops_config_from_flags() -> ops.OpsConfig:
+    f = FLAGS
+    return ops.OpsConfig(mode="invariant" if f.true_on_policy else "reference", attention_backend=f.attention_backend,
+                         gemm_backend=f.gemm_backend, compile=f.compile, tile_rows=f.invariant_tile_rows,
+                         kv_block=f.invariant_kv_block, decode_backend=f.decode_backend)
+
+
+def offpolicy_config_from_flags() -> OffPolicyConfig:
+    f = FLAGS
+    return OffPolicyConfig(correction=f.offpolicy_correction, tis_cap=f.tis_cap, mis_low=f.mis_low,
+                           mis_high=f.mis_high)
+
+
+# What `python -m launch.main --helpshort` lists: the flags a first run needs, by topic, in the order and under the
+# names of the "# ==" sections above (tests/test_flags_help.py keeps the two alike); --helpfull lists every flag.
+SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Run", ("seed", "num_steps", "output_dir", "resume", "save_every", "num_threads")),
+    ("Model", ("hf_checkpoint", "model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads")),
+    ("Task and data", ("prompt_data", "eval_data", "tokenizer", "custom_reward_fn", "eval_every", "eval_size")),
+    ("Rollout", ("prompts_per_step", "group_size", "temperature", "max_new_tokens", "rollout_backend")),
+    ("Algorithm", ("advantage_estimator", "policy_loss", "kl_coef", "eps_clip")),
+    ("Optimisation", ("lr", "decay_steps", "min_lr", "max_grad_norm")),
+    ("Supervised", ("sft_warmup_steps", "sft", "sft_data")),
+    ("Packing and memory", ("max_tokens_per_micro_batch", "recompute")),
+    ("True on-policy and kernels", ("true_on_policy",)),
+    ("Loop modes", ("debug_rollout_only", "debug_train_only")),
+    ("Debugging and replay", ("snapshot_steps", "profile_steps")),
+)
+
+
+def short_help() -> str:
+    """The --helpshort text: a first run's flags grouped by topic, each with its help and default."""
+    out = ["python -m launch.main --flagfile=FILE [--flag=value ...]  (launch/flags/*.flags are examples; flags",
+           "given after --flagfile override it). The flags a first run needs; --helpfull lists all of them.", ""]
+    for topic, names in SHORT_HELP:
+        out.append(f"{topic}:")
+        for name in names:
+            fl = FLAGS[name]
+            out.extend(textwrap.wrap(f"--{name}: {fl.help} (default: {fl.default_as_str})", 100,
+                                     initial_indent="  ", subsequent_indent="      "))
+        out.append("")
+    return "\n".join(out)

@@ -485,4 +485,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if {"--helpshort", "--help", "-?"} & set(sys.argv[1:]):  # absl's would list only this module's own flags
+        print(run_flags.short_help())
+        sys.exit(0)
     app.run(main)
