@@ -28,46 +28,79 @@ class PromptRow:
     line: int  # 1-based line in the file, for messages
 
 
-def load_jsonl(path: str, input_key: str = "input", label_key: str = "label") -> tuple[PromptRow, ...]:
-    rows = []
+def jsonl_lines(path: str, flag: str) -> list[tuple[int, str]]:
+    """(1-based line number, text) of each non-blank line of a UTF-8 file (a leading BOM is dropped).
+
+    Bytes that are not UTF-8 are a DataError naming the file, the line and the byte, not a traceback.
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
-        raise DataError(f"--prompt_data={path}: {e.strerror or e}") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+        raise DataError(f"{flag}={path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the "
+                            f"line); {flag} files must be UTF-8 text") from None
+        if text.strip():
+            out.append((n, text))
+    return out
+
+
+def json_type(v: Any) -> str:
+    """The JSON name of a parsed value's type, for messages about a row."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if v is None else names.get(type(v), type(v).__name__)
+
+
+def load_jsonl(path: str, input_key: str = "input", label_key: str = "label",
+               flag: str = "--prompt_data") -> tuple[PromptRow, ...]:
+    """The rows of a prompt file; DataError names the file and line of the first bad one (`flag` names the file)."""
+    rows = []
+    for n, line in jsonl_lines(path, flag):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
-            raise DataError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{n}: a row must be a JSON object, got {json_type(row)}")
         if input_key not in row:
             raise DataError(f"{path}:{n}: no {input_key!r} field (--input_key); fields: {sorted(row)}")
-        prompt = row[input_key]
-        if not _is_prompt(prompt):
+        if why := prompt_problem(row[input_key]):
             raise DataError(f"{path}:{n}: {input_key!r} must be a non-empty string or a list of "
-                            "{'role', 'content'} messages")
+                            f"{{'role', 'content'}} messages: {why}")
         if label_key and label_key not in row:
             raise DataError(f"{path}:{n}: no {label_key!r} field (--label_key); fields: {sorted(row)}")
-        rows.append(PromptRow(prompt, row.get(label_key) if label_key else None, n))
+        rows.append(PromptRow(row[input_key], row.get(label_key) if label_key else None, n))
     if not rows:
-        raise DataError(f"--prompt_data={path}: no rows")
+        raise DataError(f"{flag}={path}: no rows")
     return tuple(rows)
 
 
 @functools.lru_cache(maxsize=8)
-def cached_jsonl(path: str, input_key: str, label_key: str) -> tuple[PromptRow, ...]:
-    return load_jsonl(path, input_key, label_key)
+def cached_jsonl(path: str, input_key: str, label_key: str, flag: str = "--prompt_data") -> tuple[PromptRow, ...]:
+    return load_jsonl(path, input_key, label_key, flag)
 
 
-def _is_prompt(p: Any) -> bool:
+def prompt_problem(p: Any) -> str:
+    """What is wrong with a row's prompt ('' when it is a non-empty string or a well-formed message list)."""
     if isinstance(p, str):
-        return bool(p)
-    return isinstance(p, list) and bool(p) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p)
+        return "" if p else "got an empty string"
+    if not isinstance(p, list):
+        return f"got {json_type(p)}"
+    if not p:
+        return "got an empty list"
+    for i, m in enumerate(p):
+        if not isinstance(m, dict):
+            return f"message {i} is {json_type(m)}, not an object"
+        for field in ("role", "content"):
+            if not isinstance(m.get(field), str):
+                got = "missing" if field not in m else json_type(m[field])
+                return f"message {i} needs a string {field!r} (got {got})"
+    return ""
 
 
 def epoch_order(key: prng.Key, epoch: int, n: int) -> list[int]:
@@ -90,7 +123,10 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
     template = getattr(tokenizer, "chat_template", None)
     if template and hasattr(tokenizer, "apply_chat_template"):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the template is the checkpoint's code (jinja2 raises its own TemplateError)
+            raise DataError(f"the tokenizer's chat template refused the prompt ({type(e).__name__}: {e})") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

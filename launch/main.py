@@ -132,10 +132,16 @@ def build(cfg: run_flags.RunConfig) -> Job:
             raise UserError(f"--tokenizer={cfg.tokenizer}: {tok.vocab_size} tokens, more than the model's vocabulary "
                             f"of {cfg.model.vocab_size}")
         rollout_task = data.DatasetTask(tok)
+    if rollout_task.tokenizer.vocab_size < cfg.model.vocab_size:  # a padded vocabulary: its extra rows are no tokens
+        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling,
+                                                                    vocab_limit=rollout_task.tokenizer.vocab_size))
+    rollout_lib.check_prompt_lengths(rollout_task, cfg.rollout, cfg.sampling.max_new_tokens,
+                                     cfg.model.max_position_embeddings)  # DataError names file:line
     if cfg.modes.debug_train_only:
         engine: Engine = NoEngine()
     else:
-        engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads, ops_cfg=cfg.ops)
+        engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads, ops_cfg=cfg.ops,
+                             vocab_limit=cfg.sampling.vocab_limit)
     pool = partial.Pool() if cfg.modes.partial_rollouts else None
     eval_set = None
     if cfg.rollout.eval_data:
@@ -173,7 +179,7 @@ def evaluate(job: Job) -> float:
                                              prompts, labels)
         return sum(col.rewards) / len(col.rewards)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=job.cfg.sampling.max_new_tokens,
-                            stop_token_ids=(task.tokenizer.eos_id,))
+                            stop_token_ids=(task.tokenizer.eos_id,), vocab_limit=task.tokenizer.vocab_size)
     gen = generate_batch(job.engine, [task.prompt_ids(*p) for p in job.eval_pairs], prng.key(EVAL_STREAM), greedy)
     return sum(task.reward(r, p) for r, p in zip(gen.tokens, job.eval_pairs, strict=True)) / len(job.eval_pairs)
 

@@ -21,7 +21,7 @@ from launch.engines.config import RolloutConfig
 from miles_fn import dapo, prng
 from miles_fn.sampling import SamplingConfig
 
-__all__ = ["Collected", "DataError", "GroupSelection", "collect", "step_prompts"]
+__all__ = ["Collected", "DataError", "GroupSelection", "check_prompt_lengths", "collect", "step_prompts"]
 
 DATA_ORDER_STREAM = 0xDA7A  # fold_in(root key, this): the key of the dataset's epoch orders
 
@@ -72,7 +72,7 @@ def step_prompts(task: Any, rcfg: RolloutConfig, data_key: prng.Key, root_key: p
     if not rcfg.prompt_data:
         pairs = task.sample_pairs(data_key, n)
         return [task.prompt_ids(*p) for p in pairs], pairs
-    rows = data.cached_jsonl(rcfg.prompt_data, rcfg.input_key, rcfg.label_key)
+    rows = data.cached_jsonl(rcfg.prompt_data, rcfg.input_key, rcfg.label_key, "--prompt_data")
     return encode_rows(data.rows_at(rows, prng.fold_in(root_key, DATA_ORDER_STREAM), start, n), task, rcfg.prompt_data)
 
 
@@ -84,7 +84,30 @@ def encode_rows(rows: Sequence[data.PromptRow], task: Any, path: str) -> tuple[l
             ids.append(data.encode_prompt(r.prompt, task.tokenizer))
         except (ValueError, DataError) as e:
             raise DataError(f"{path}:{r.line}: {e}") from None
+        if not ids[-1]:
+            raise DataError(f"{path}:{r.line}: the prompt encodes to no tokens (generation needs at least one)")
     return ids, [r.label for r in rows]
+
+
+def check_prompt_lengths(task: Any, rcfg: RolloutConfig, max_new_tokens: int, max_positions: int) -> None:
+    """Before the first step: every --prompt_data and --eval_data prompt plus --max_new_tokens fits the model's
+    positions, else a DataError naming the file, the row and both lengths (generation would fail mid-run).
+
+    It encodes each file once; --prompt_data is skipped under --load_rollouts (nothing is generated from it).
+    """
+    files = [("--prompt_data", rcfg.prompt_data)] if not rcfg.load_rollouts else []
+    for flag, path in [*files, ("--eval_data", rcfg.eval_data)]:
+        if not path:
+            continue
+        rows = data.cached_jsonl(path, rcfg.input_key, rcfg.label_key, flag)
+        ids, _ = encode_rows(rows, task, path)
+        for r, p in zip(rows, ids, strict=True):
+            if len(p) + max_new_tokens > max_positions:
+                fix = (f"lower --max_new_tokens to at most {max_positions - len(p)} or shorten the prompt"
+                       if len(p) < max_positions else "shorten the prompt or drop the row")
+                raise DataError(f"{path}:{r.line}: the prompt is {len(p)} tokens, and with --max_new_tokens="
+                                f"{max_new_tokens} it needs {len(p) + max_new_tokens} positions, more than the model's "
+                                f"max_position_embeddings ({max_positions}); {fix}")
 
 
 def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingConfig, data_key: prng.Key,
@@ -170,7 +193,8 @@ def generate_and_score(engine: Engine, task: Any, rcfg: RolloutConfig, sampling:
 
 def eval_prompts(task: Any, rcfg: RolloutConfig) -> tuple[list[list[int]], list[Any]]:
     """(prompt ids, labels) of every --eval_data row; a row that cannot be encoded is named by file and line."""
-    return encode_rows(data.cached_jsonl(rcfg.eval_data, rcfg.input_key, rcfg.label_key), task, rcfg.eval_data)
+    rows = data.cached_jsonl(rcfg.eval_data, rcfg.input_key, rcfg.label_key, "--eval_data")
+    return encode_rows(rows, task, rcfg.eval_data)
 
 
 def score(task: Any, rcfg: RolloutConfig, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

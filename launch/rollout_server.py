@@ -13,6 +13,7 @@ chunks gets the same bits as the in-process engine. Only stdlib http.server: no 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,8 +38,10 @@ class RolloutState:
     """The server's mutable state (weights, version, pause flag), guarded by one lock."""
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, exit_after: int = 0,
-                 group_timeout_s: float = 600.0, group_fault: str = "", ops_cfg: ops.OpsConfig = ops.REFERENCE):
+                 group_timeout_s: float = 600.0, group_fault: str = "", ops_cfg: ops.OpsConfig = ops.REFERENCE,
+                 vocab_limit: int = 0):
         self.cfg, self.params, self.version = cfg, params, version
+        self.vocab_limit = vocab_limit  # ids >= this are never sampled (a padded vocabulary's rows); 0 = none
         self.ops_cfg = ops_cfg  # ops.INVARIANT (--enable-deterministic-inference): the trainer's log-probs bit for bit
         self.lock = threading.Lock()
         self.waiting_lock = threading.Lock()
@@ -68,7 +71,9 @@ class RolloutState:
         return len(hit)
 
     def generate(self, body: dict[str, Any], probe: bool = False) -> list[dict[str, Any]]:
-        prompts, seeds, sampling = sglang_api.parse_generate_body(body)
+        prompts, seeds, sampling = sglang_api.parse_generate_body(body, self.cfg.vocab_size)
+        if self.vocab_limit:
+            sampling = dataclasses.replace(sampling, vocab_limit=self.vocab_limit)
         rid = body.get("rid")
         rids = [str(r) for r in rid] if isinstance(rid, list) else [str(rid)] * len(prompts) if rid else []
         with self.waiting_lock:
@@ -219,10 +224,11 @@ class GroupFailure(Exception):
 
 def _version(body: dict[str, Any]) -> int:
     v = body.get("weight_version")
-    try:
+    if isinstance(v, str) and v.strip().isdigit():
         return int(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"weight_version: an integer (as a string) is required, got {v!r}") from None
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    raise ValueError(f"weight_version: a non-negative integer (as a string) is required, got {sglang_api.show(v)}")
 
 
 def replace_named(cfg: ModelConfig, params: Any, named: dict[str, torch.Tensor]) -> Any:
@@ -246,9 +252,28 @@ def replace_named(cfg: ModelConfig, params: Any, named: dict[str, torch.Tensor])
     return new
 
 
-def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
+class BodyCut(Exception):
+    """The client closed its connection before the body's Content-Length bytes arrived."""
+
+
+class RolloutHTTPServer(ThreadingHTTPServer):
+    """One thread a connection, with a listen queue deep enough for a trainer's in-flight calls.
+
+    http.server's default backlog of 5 resets connections under 50 concurrent /generate calls while
+    the server is healthy; each queued connection waits for its turn at the batch lock instead.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], backlog: int) -> None:
+        self.request_queue_size = backlog  # read by server_activate (listen) during __init__
+        super().__init__(address, handler)
+
+
+def make_handler(state: RolloutState, read_timeout_s: float | None = 60.0) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = read_timeout_s  # socket reads (headers, body) that stall longer raise TimeoutError
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per error only
             pass
@@ -262,10 +287,15 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _body(self) -> dict[str, Any]:
-            n = int(self.headers.get("Content-Length") or 0)
+            given = self.headers.get("Content-Length") or "0"
+            if not given.strip().isdigit():
+                raise ValueError(f"Content-Length: a non-negative integer is required, got {given!r}")
+            n = int(given)
             if n > MAX_BODY:
                 raise ValueError(f"body of {n} bytes is over the {MAX_BODY}-byte limit")
             raw = self.rfile.read(n) if n else b"{}"
+            if len(raw) < n:
+                raise BodyCut(f"the connection closed {len(raw)} bytes into a {n}-byte body")
             try:
                 body = json.loads(raw)
             except json.JSONDecodeError as e:
@@ -278,6 +308,18 @@ def make_handler(state: RolloutState) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?")[0]
             try:
                 body = self._body() if method == "POST" else {}
+            except (TimeoutError, BodyCut) as e:  # half a body: free this handler (the socket read timeout)
+                self.close_connection = True
+                why = str(e) if isinstance(e, BodyCut) else (
+                    f"no complete body within the {self.timeout:g} s read timeout (--read-timeout-s)")
+                try:
+                    return self._send(408, {"success": False, "message": why})
+                except OSError:  # the client is gone already
+                    return None
+            except ValueError as e:
+                self.close_connection = True  # the body's bytes may still be unread: do not parse them as a request
+                return self._send(400, {"success": False, "message": str(e)})
+            try:
                 if path == "/health":
                     return self._send(200, {})
                 if path == "/health_generate":
@@ -368,6 +410,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--debug-exit-after", type=int, default=0, help="tests: crash on the Nth /generate call")
     p.add_argument("--weight-group-timeout-s", type=float, default=600.0,
                    help="how long forming a weight-update group, or one broadcast over it, may take")
+    p.add_argument("--listen-backlog", type=int, default=1024,
+                   help="connections the kernel queues while every handler is busy (more are reset)")
+    p.add_argument("--read-timeout-s", type=float, default=60.0,
+                   help="a client that sends no byte of its request for this long is answered 408 and dropped")
+    p.add_argument("--vocab-limit", type=int, default=0,
+                   help="never sample ids >= this (a padded vocabulary's rows past the tokenizer); 0 = every row")
     p.add_argument("--debug-fail-start", action="store_true", help="tests: exit at once, as a broken server")
     p.add_argument("--debug-group-fault", default="", help="tests: 'unreachable' (dial a dead port to join a "
                    "weight-update group) or 'crash_in_update:N' (die inside the Nth distributed update)")
@@ -380,6 +428,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --debug-fail-start: exiting as asked")
     if args.tp_size != 1:
         sys.exit(f"error: --tp-size={args.tp_size}: this server runs one process (use real SGLang for TP)")
+    if args.listen_backlog < 1:
+        sys.exit(f"error: --listen-backlog={args.listen_backlog}: must be >= 1")
+    if not args.read_timeout_s > 0:
+        sys.exit(f"error: --read-timeout-s={args.read_timeout_s}: must be > 0 seconds")
+    if args.vocab_limit < 0:
+        sys.exit(f"error: --vocab-limit={args.vocab_limit}: must be >= 0 (0 = no limit)")
     if args.watch_parent:
         threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(args.num_threads)
@@ -396,9 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
-                         args.debug_group_fault, ops_cfg)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
-    server.daemon_threads = True
+                         args.debug_group_fault, ops_cfg, args.vocab_limit)
+    server = RolloutHTTPServer((args.host, args.port), make_handler(state, args.read_timeout_s), args.listen_backlog)
     print(f"rollout server listening on http://{args.host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

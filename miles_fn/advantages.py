@@ -46,8 +46,14 @@ def broadcast_to_tokens(adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
 # The estimator library. Every estimator shares one signature,
 #     estimator(inputs: AdvantageInputs, cfg: AdvantageConfig) -> (advantages [N, T], returns [N, T]),
 # so a registry is a plain read-only dict of functions (ESTIMATORS below).
-# Token layout: column t of the [N, T] tensors scores tokens[:, t+1]; the response is the
-# contiguous run of columns where mask = 1, its last column carries the outcome reward.
+# Token layout: column t of the [N, T] tensors scores tokens[:, t+1]; the trained columns are those
+# where mask = 1. A multi-turn response has masked gaps (tool output the policy did not write, e.g.
+# mask 1 1 1 0 0 1 1): the outcome reward goes once, to the last trained column of the row, and
+# returns / GAE run over the trained columns only, stepping over the gaps as if the masked columns
+# were not there (as verl's GAE does). So gamma (and lambda) count trained tokens, not columns:
+# G at trained column t = r_t + gamma G at the next trained column; a gap neither discounts nor
+# ends the episode, and V bootstraps from the next trained column's value. Gap-free masks give the
+# values of the contiguous-run formulas, bit for bit.
 
 
 class AdvantageInputs(NamedTuple):
@@ -68,14 +74,24 @@ class AdvantageConfig:
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """1.0 at the last masked column of each row (rows without one are all zero)."""
-    nxt = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-    return mask * (1.0 - nxt)
+    """1.0 at the last trained column of each row, gaps or not (rows without one are all zero)."""
+    trained = mask > 0
+    later = trained.flip(-1).cumsum(-1).flip(-1) - trained.to(torch.int64)  # trained columns after t
+    return (trained & (later == 0)).to(mask.dtype)
+
+
+def first_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """1.0 at the first trained column of each row, gaps or not (rows without one are all zero)."""
+    trained = mask > 0
+    earlier = trained.cumsum(-1) - trained.to(torch.int64)  # trained columns before t
+    return (trained & (earlier == 0)).to(mask.dtype)
 
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
                   kl_coef: float = 0.0) -> torch.Tensor:
-    """Per-token rewards: r_t = R 1[t = last] - beta kl_t on the response columns (float64)."""
+    """Per-token rewards: r_t = R 1[t = last trained column] - beta kl_t on the trained columns (float64).
+
+    R is written once a row, however many trained segments (turns) the mask has."""
     m = mask.to(torch.float64)
     out = last_token_mask(m) * rewards.to(torch.float64)[:, None]
     if kl is not None and kl_coef > 0:
@@ -89,13 +105,17 @@ def sequence_rewards(inputs: AdvantageInputs, kl_coef: float) -> torch.Tensor:
 
 
 def discounted_returns(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma m_{t+1} G_{t+1}, zero off the mask: the return to go inside the response."""
-    m = mask.to(r.dtype)
+    """G_t = r_t + gamma G_{next trained column after t} on trained columns, zero elsewhere: the return to go.
+
+    Masked columns are skipped (their r is ignored, they do not discount), so the return crosses a
+    tool-output gap to the reward at the end of the row.
+    """
+    trained = mask > 0
     out = torch.zeros_like(r)
     nxt = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        nxt = m[:, t] * (r[:, t] + gamma * nxt)
-        out[:, t] = nxt
+        nxt = torch.where(trained[:, t], r[:, t] + gamma * nxt, nxt)
+        out[:, t] = torch.where(trained[:, t], nxt, 0.0)
     return out
 
 
@@ -142,15 +162,16 @@ def est_reinforce(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.
     With gamma = 1 and no KL, G_{i,t} = R_i and the baseline is the batch mean reward.
     """
     g = discounted_returns(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.mask, cfg.gamma)
-    first = (g * (_first_token_mask(inputs.mask))).sum(-1)
+    first = (g * first_token_mask(inputs.mask)).sum(-1)
     baseline = first.mean() if first.numel() else first.sum()
     m = inputs.mask.to(torch.float64)
     return ((g - baseline) * m).to(torch.float32), g.to(torch.float32)
 
 
 def est_reinforce_pp(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu, 2025): G_t = sum_{s >= t} gamma^{s-t} (R 1[s = last] - beta kl_s), A = whiten(G).
+    """REINFORCE++ (Hu, 2025): G_t = sum_{s >= t} gamma^{k(s)-k(t)} (R 1[s = last] - beta kl_s), A = whiten(G).
 
+    s runs over the trained columns, k(s) counts them (gaps do not discount, see the token layout above).
     The whitening (mean and std over every response token of the batch) replaces a critic.
     """
     g = discounted_returns(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.mask, cfg.gamma)
@@ -159,22 +180,24 @@ def est_reinforce_pp(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[tor
 
 def gae(r: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al., 2016) over the response: returns (advantages, returns = A + V).
+    """GAE (Schulman et al., 2016) over the trained columns: returns (advantages, returns = A + V).
 
-    delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t;  A_t = delta_t + gamma lam m_{t+1} A_{t+1}
-    The value after the last response token is 0 (the episode ends there).
+    With t' the next trained column after t:  delta_t = r_t + gamma V_{t'} - V_t;  A_t = delta_t + gamma lam A_{t'}
+    The value after the last trained token is 0 (the episode ends there); a masked gap is stepped over
+    (no TD error of its own, no discount, V bootstraps across it). Zero off the mask.
     """
     m = mask.to(torch.float64)
-    v = torch.where(m > 0, values.to(torch.float64), torch.zeros_like(m))
+    trained = m > 0
+    v = torch.where(trained, values.to(torch.float64), torch.zeros_like(m))
     r = r.to(torch.float64)
     adv = torch.zeros_like(r)
     a_next = torch.zeros_like(r[:, 0])
     v_next = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        delta = r[:, t] + gamma * v_next - v[:, t]
-        a_next = m[:, t] * (delta + gamma * lam * a_next)
-        v_next = v[:, t]
-        adv[:, t] = a_next
+        a = r[:, t] + gamma * v_next - v[:, t] + gamma * lam * a_next
+        a_next = torch.where(trained[:, t], a, a_next)
+        v_next = torch.where(trained[:, t], v[:, t], v_next)
+        adv[:, t] = torch.where(trained[:, t], a, 0.0)
     return adv, (adv + v) * m
 
 
@@ -186,11 +209,6 @@ def est_gae(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor
     adv, ret = gae(token_rewards(inputs.rewards, inputs.mask, inputs.kl, cfg.kl_coef), inputs.values, inputs.mask,
                    cfg.gamma, cfg.lam)
     return adv.to(torch.float32), ret.to(torch.float32)
-
-
-def _first_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    prev = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
-    return mask * (1.0 - prev)
 
 
 ESTIMATORS: Mapping[str, Callable[[AdvantageInputs, AdvantageConfig], tuple[torch.Tensor, torch.Tensor]]] = (

@@ -120,8 +120,9 @@ def generate_rows(
     out_lp = torch.zeros(b, n_new, dtype=torch.float32)
     done = torch.zeros(b, dtype=torch.bool)
     n_out = torch.zeros(b, dtype=torch.int64)  # tokens per row, its stop token included
-    if kernel is not None and sampling.top_k == 0 and sampling.top_p == 1.0:
-        # The loop below, sampler included, as one C call (ops.decode_cpu.DecodePlan.generate).
+    if kernel is not None and sampling.top_k == 0 and sampling.top_p == 1.0 and not sampling.limits(cfg.vocab_size):
+        # The loop below, sampler included, as one C call (ops.decode_cpu.DecodePlan.generate). Its sampler
+        # draws from every row: with a vocab_limit cut the kernel only steps and the loop below samples.
         out_tok, out_lp, n_out = kernel.generate(logits, uniforms, sampling.logprob_temperature,
                                                  sampling.stop_token_ids, lp)
         return _generation(out_tok, out_lp, n_out, sampling)

@@ -16,6 +16,9 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    # Ids >= vocab_limit are never sampled (0 = every row of the logits). Checkpoints pad their vocabulary
+    # (Qwen2.5: 151,936 rows for 151,665 tokens): the rows past the tokenizer's length are no tokens.
+    vocab_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -26,11 +29,17 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.vocab_limit < 0:
+            raise ValueError(f"vocab_limit must be >= 0 (0 = no limit), got {self.vocab_limit}")
 
     @property
     def logprob_temperature(self) -> float:
         """The temperature the reported log-probs use (1 for greedy decoding)."""
         return self.temperature if self.temperature > 0 else 1.0
+
+    def limits(self, vocab: int) -> bool:
+        """Whether vocab_limit removes rows from logits of `vocab` columns."""
+        return 0 < self.vocab_limit < vocab
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -51,8 +60,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(logits: torch.Tensor, keys: prng.Key, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [B, V] with per-row keys [B, 2] (inverse CDF, one uniform a row).
 
-    Returns (tokens [B], log-probs [B] under softmax(logits / logprob_temperature),
-    before top-k/top-p truncation: the distribution the trainer recomputes).
+    Returns (tokens [B], log-probs [B] under softmax(logits / logprob_temperature) over every row,
+    before top-k/top-p truncation and the vocab_limit cut: the distribution the trainer recomputes).
     """
     u = None if cfg.temperature == 0 else prng.uniform64(keys)
     return sample_with_uniform(logits, u, cfg)
@@ -67,16 +76,22 @@ def sample_with_uniform(
     Gumbel-max needs one a vocabulary entry (150k Threefry calls a token for a real tokenizer).
     The CDF is float64 and divided by its last entry, which is then exactly 1 > u: the pick is
     always a token of non-zero probability, and the one a float64 reference of the CDF picks.
+
+    With cfg.vocab_limit the pick (argmax, or the CDF renormalised) runs over the first vocab_limit
+    columns only, as if the others were -inf; the log-prob stays the full-row one, which the trainer's
+    full-row log_softmax recomputes exactly (they differ from the cut distribution's by log(1 - p_cut)).
     """
     scaled = logits.to(torch.float32) / cfg.logprob_temperature
     logp = torch.log_softmax(scaled, dim=-1)
+    cut = cfg.limits(scaled.shape[-1])
+    pick = scaled[..., : cfg.vocab_limit] if cut else scaled
     if cfg.temperature == 0:
-        tokens = torch.argmax(scaled, dim=-1)
+        tokens = torch.argmax(pick, dim=-1)
     else:
         if cfg.top_k > 0 or cfg.top_p < 1.0:
-            probs = torch.softmax(filter_logits(scaled, cfg.top_k, cfg.top_p), dim=-1)
-        else:
-            probs = logp.exp()
+            probs = torch.softmax(filter_logits(pick, cfg.top_k, cfg.top_p), dim=-1)
+        else:  # renormalised in float32 when cut: the kept rows' mass may be far below 1
+            probs = torch.softmax(pick, dim=-1) if cut else logp.exp()
         cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
         cdf = cdf / cdf[..., -1:]
         tokens = torch.searchsorted(cdf, u.to(torch.float64).contiguous()[..., None], right=True).squeeze(-1)

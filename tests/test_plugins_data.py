@@ -120,6 +120,96 @@ def test_jsonl_rows_and_errors_with_line_numbers(tmp_path):
             data.load_jsonl(str(p), "q", "a")
 
 
+def test_invalid_utf8_a_bom_and_malformed_prompts_are_named_by_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"q": "1+1=", "a": "2"}\n{"q": "caf\xe9", "a": "x"}\n')  # latin-1 e-acute, the 11th byte: not UTF-8
+    with pytest.raises(data.DataError, match=r":2: not valid UTF-8 \(byte 0xe9 at byte 11 of the line\)"):
+        data.load_jsonl(str(p), "q", "a")
+    with pytest.raises(data.DataError, match="--eval_data files must be UTF-8"):
+        data.load_jsonl(str(p), "q", "a", "--eval_data")
+    p.write_bytes(b'\xef\xbb\xbf{"q": "1+1=", "a": "2"}\r\n')  # a UTF-8 BOM and CRLF, as editors write
+    assert [(r.prompt, r.line) for r in data.load_jsonl(str(p), "q", "a")] == [("1+1=", 1)]
+    with pytest.raises(data.DataError, match=f"--eval_data={tmp_path}/none.jsonl: No such file"):
+        data.load_jsonl(str(tmp_path / "none.jsonl"), "q", "a", "--eval_data")
+    for prompt, needle in [(5, "got number"), (None, "got null"), ({"role": "user"}, "got object"),
+                           ([], "got an empty list"), (["hi"], "message 0 is string, not an object"),
+                           ([{"role": "user", "content": "x"}, {"role": "user"}],
+                            "message 1 needs a string 'content' \\(got missing\\)"),
+                           ([{"role": 1, "content": "x"}], "message 0 needs a string 'role' \\(got number\\)"),
+                           ([{"role": "assistant", "content": None}], "'content' \\(got null\\)")]:
+        p.write_text('{"q": "1+1=", "a": 1}\n\n' + json.dumps({"q": prompt, "a": 1}) + "\n")
+        with pytest.raises(data.DataError, match=":3: 'q' must be a non-empty string or a list of .*" + needle):
+            data.load_jsonl(str(p), "q", "a")
+    p.write_text("null\n")
+    with pytest.raises(data.DataError, match=":1: a row must be a JSON object, got null"):
+        data.load_jsonl(str(p), "q", "a")
+
+
+def test_a_failing_chat_template_or_an_empty_encoding_is_named_by_line():
+    from launch import rollout
+
+    class Tok:  # a template that refuses system messages, as many checkpoints' do
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kw):
+            import jinja2
+
+            raise jinja2.exceptions.TemplateError("System role not supported")
+
+    class Task:
+        tokenizer = Tok()
+
+    rows = [data.PromptRow([{"role": "system", "content": "x"}], 1, 4)]
+    with pytest.raises(data.DataError, match="d.jsonl:4: the tokenizer's chat template refused the prompt "
+                                             r"\(TemplateError: System role not supported\)"):
+        rollout.encode_rows(rows, Task(), "d.jsonl")
+
+    class Empty:
+        tokenizer = type("T", (), {"encode": staticmethod(lambda text: [])})()
+
+    with pytest.raises(data.DataError, match="d.jsonl:7: the prompt encodes to no tokens"):
+        rollout.encode_rows([data.PromptRow(" ", 1, 7)], Empty(), "d.jsonl")
+
+
+def test_prompts_longer_than_the_positions_are_refused_naming_row_and_lengths(tmp_path):
+    from launch import rollout
+    from launch.engines.config import RolloutConfig
+    from miles_fn.tasks.addition import AdditionTask
+
+    train, ev = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    train.write_text('{"input": "1+1=", "label": 2}\n' + json.dumps({"input": "1" * 60, "label": 1}) + "\n")
+    ev.write_text('{"input": "2+2=", "label": 4}\n' * 2 + json.dumps({"input": "2" * 70, "label": 1}) + "\n")
+    task = AdditionTask()
+    # BOS + 60 characters = 61 tokens; 61 + 4 new tokens > 64 positions, 61 + 3 fits
+    with pytest.raises(data.DataError, match=f"{train}:2: the prompt is 61 tokens, and with --max_new_tokens=4 it "
+                                             r"needs 65 positions, more than the model's max_position_embeddings "
+                                             r"\(64\); lower --max_new_tokens to at most 3"):
+        rollout.check_prompt_lengths(task, RolloutConfig(prompt_data=str(train)), 4, 64)
+    rollout.check_prompt_lengths(task, RolloutConfig(prompt_data=str(train)), 3, 64)
+    with pytest.raises(data.DataError, match=f"{ev}:3: the prompt is 71 tokens.*shorten the prompt or drop the row"):
+        rollout.check_prompt_lengths(task, RolloutConfig(prompt_data=str(train), eval_data=str(ev)), 3, 64)
+    # under --load_rollouts nothing is generated from --prompt_data
+    rollout.check_prompt_lengths(task, RolloutConfig(prompt_data=str(train), load_rollouts="dir"), 4, 64)
+
+
+def test_main_names_bad_data_files_without_a_traceback(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"input": "1+2=", "label": 3}\n')
+    utf = tmp_path / "latin1.jsonl"
+    utf.write_bytes(b'{"input": "1+2=", "label": 3}\n{"input": "\xff", "label": 3}\n')
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"input": "1+2=", "label": 3}\n' + json.dumps({"input": "9" * 70, "label": 1}) + "\n")
+    base = ["--num_steps=1", "--sft_warmup_steps=0", "--prompts_per_step=1", "--group_size=2", "--hidden_size=32",
+            "--intermediate_size=48", "--noprogress", "--notensorboard", "--num_threads=1"]
+    for extra, needle in [([f"--prompt_data={utf}"], f"{utf}:2: not valid UTF-8"),
+                          ([f"--prompt_data={good}", f"--eval_data={utf}"], f"{utf}:2: not valid UTF-8"),
+                          ([f"--prompt_data={long}"], f"{long}:2: the prompt is 71 tokens"),
+                          ([f"--prompt_data={good}", f"--eval_data={long}"], f"{long}:2: the prompt is 71 tokens")]:
+        p = subprocess.run([sys.executable, "-m", "launch.main", *base, *extra, f"--output_dir={tmp_path / 'o'}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and needle in p.stderr and "Traceback" not in p.stderr, (extra, p.stderr[-2000:])
+
+
 def test_epoch_order_is_a_seeded_permutation_per_epoch():
     rows = tuple(data.PromptRow(str(i), i, i + 1) for i in range(7))
     key = prng.key(4)

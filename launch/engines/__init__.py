@@ -18,11 +18,13 @@ __all__ = ["Engine", "EngineError", "RolloutConfig", "make_engine"]
 
 
 def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int = 1,
-                version: int = 0, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> Engine:
+                version: int = 0, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0) -> Engine:
+    """The rollout engine --rollout_backend names; vocab_limit (the tokenizer's length, when the checkpoint pads
+    its vocabulary) goes to a server this run starts, so the padded rows are never sampled."""
     if rcfg.backend == "embedded":
         return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg)
     if rcfg.backend == "http":
-        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg)
+        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg, vocab_limit)
     if rcfg.backend == "sglang":
         from launch.engines.sglang_backend import make_sglang_engine
 
@@ -89,7 +91,7 @@ def check_server_ops(info: dict[str, Any], ops_cfg: ops.OpsConfig, url: str) -> 
 
 
 def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,
-                 version: int, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> Engine:
+                 version: int, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0) -> Engine:
     from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync, tensor_sync
     from launch.engines.weight_group import DistributedSync
     from state import hf
@@ -118,6 +120,7 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
                 "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent", *server_ops_args(ops_cfg),
+                "--vocab-limit", str(vocab_limit),
                 *_fault_args(rcfg.server_fault, first)]
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,6 +5,9 @@ several in flight. If the server stops answering, the engine recovers it (restar
 run started it, else waits for it), gives it the current weights again and re-issues exactly
 the chunks that had no reply, so the run resumes in place. Recovery is bounded (back-off
 doubling from backoff_s); past it, EngineError says which server, how often, and the last error.
+A connection dropped by a server that is still alive (its process runs, /health answers and it
+holds the current weights) is no failure of the server: those chunks are re-issued without a
+restart and without counting against max_restarts (bounded too, by max_reissues).
 generate returns every sample, each checked to come from the current weight version, or raises:
 the loop never sees a partial batch.
 """
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from launch.engines.base import EngineError, Request, Sample, chunked
-from launch.engines.sglang_client import ServerDown, SGLangClient
+from launch.engines.sglang_client import ConnectionDropped, ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
 from state import hf
@@ -36,6 +39,7 @@ class RecoveryPolicy:
     max_restarts: int = 3  # recoveries per generate call before giving up
     backoff_s: float = 0.5  # first wait; doubles per attempt, capped at 30 s
     start_timeout_s: float = 120.0  # how long a started server may take to answer /health
+    max_reissues: int = 8  # rounds of dropped connections from an alive server re-issued per call
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,6 +88,10 @@ class ServerProcess:
         raise ServerDown(f"the server did not answer /health within {self.start_timeout_s:.0f} s "
                          f"(log: {self.log_path})")
 
+    def alive(self) -> bool:
+        """Whether the started process still runs (it may be alive yet drop a connection)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -106,6 +114,19 @@ def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_vocab(samples: Sequence[Sample], vocab_limit: int, url: str) -> None:
+    """Refuse a sampled id the tokenizer does not have (a padded vocabulary's row): decoding it would fail later.
+
+    launch.rollout_server started by this run never samples one (--vocab-limit); SGLang samples every row."""
+    if not vocab_limit:
+        return
+    bad = next((t for s in samples for t in s.tokens if not 0 <= t < vocab_limit), None)
+    if bad is not None:
+        raise EngineError(f"rollout server {url} sampled token id {bad}, outside the tokenizer's {vocab_limit} ids "
+                          "(the checkpoint's vocabulary is padded past its tokenizer); start launch.rollout_server "
+                          f"with --vocab-limit {vocab_limit} so those rows are never sampled")
+
+
 class RemoteEngine:
     """The engine interface over an SGLang-compatible server.
 
@@ -124,6 +145,7 @@ class RemoteEngine:
         self.process, self.sync, self.batch_size = process, sync, batch_size
         self.timeout_s, self.max_inflight, self.recovery, self.seed_mask = timeout_s, max_inflight, recovery, seed_mask
         self.recoveries = 0
+        self.reissues = 0  # rounds of dropped connections re-issued to a server that was alive
         self.client = self._client(url) if url else self._start_owned()
         if url:
             try:
@@ -149,22 +171,33 @@ class RemoteEngine:
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         chunks = chunked(requests, self.batch_size)
         results: list[list[Sample] | None] = [None] * len(chunks)
-        recoveries = 0
+        recoveries = reissues = 0
         while True:
             todo = [i for i, r in enumerate(results) if r is None]
             if not todo:
                 break
             outs = self.client.generate_chunks([chunks[i] for i in todo], sampling)
             down: ServerDown | None = None
+            dropped_only = True
             for i, out in zip(todo, outs, strict=True):
                 if isinstance(out, ServerDown):
                     down = out
+                    dropped_only = dropped_only and isinstance(out, ConnectionDropped)
                 elif isinstance(out, EngineError):
                     raise out
                 elif isinstance(out, BaseException):
                     raise EngineError(f"rollout request to {self.client.url} failed: {type(out).__name__}: {out}")
                 else:
                     results[i] = out
+            if down is not None and dropped_only and reissues < self.recovery.max_reissues \
+                    and self._still_serving(check_version=True):
+                reissues += 1
+                self.reissues += 1
+                n = sum(r is None for r in results)
+                print(f"rollout: {n} call(s) to {self.client.url} lost their connection ({down}) while the server "
+                      "is alive; re-issuing them (no restart)", file=sys.stderr, flush=True)
+                time.sleep(min(self.recovery.backoff_s * 2 ** (reissues - 1), 5.0))
+                continue
             if down is not None:
                 recoveries += 1
                 if recoveries > self.recovery.max_restarts:
@@ -176,6 +209,7 @@ class RemoteEngine:
         if stale:
             raise EngineError(f"rollout server {self.client.url} produced samples with weight version {stale[0]}, "
                               f"expected {self._version}: its weights are not the trainer's")
+        check_vocab(samples, sampling.vocab_limit, self.client.url)
         return samples
 
     def _recover(self, cause: ServerDown) -> None:
@@ -201,6 +235,20 @@ class RemoteEngine:
         raise EngineError(f"rollout server {self.client.url} did not come back after {self.recovery.max_restarts} "
                           f"attempts with back-off (first error: {cause}; last: {last}){self._log_hint()}")
 
+    def _still_serving(self, check_version: bool) -> bool:
+        """Whether the server that dropped a connection is alive: its process (if ours) runs, /health answers,
+        and (check_version) it holds the current weights, so re-issuing to it needs no restart or sync."""
+        if self.process is not None and not self.process.alive():
+            return False
+        if not self.client.health():
+            return False
+        if not check_version:
+            return True
+        try:
+            return self.client.weight_version() == self._version
+        except (ServerDown, EngineError, KeyError, TypeError, ValueError):  # no version to read: recover
+            return False
+
     def _reset_sync(self) -> None:
         reset = getattr(self.sync, "reset", None)
         if reset is not None:
@@ -212,10 +260,20 @@ class RemoteEngine:
     # --- weights and control -----------------------------------------------------------------
     def update_weights(self, version: int, params: Any) -> None:
         self.params, self._version = params, version
-        try:
-            self.sync(self.client, version, params)
-        except ServerDown as e:
-            self._recover(e)  # a restarted server is given these weights
+        for attempt in range(self.recovery.max_reissues + 1):
+            try:
+                self.sync(self.client, version, params)
+                return
+            except ConnectionDropped as e:  # the update is idempotent: send it again while the server lives
+                if attempt == self.recovery.max_reissues or not self._still_serving(check_version=False):
+                    self._recover(e)
+                    return
+                self.reissues += 1
+                self._reset_sync()
+                time.sleep(min(self.recovery.backoff_s * 2**attempt, 5.0))
+            except ServerDown as e:
+                self._recover(e)  # a restarted server is given these weights
+                return
 
     def health(self) -> bool:
         return self.client.health()

@@ -31,6 +31,7 @@ plus raw little-endian bytes, so reading it runs no code. Real SGLang is synced 
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,39 +133,113 @@ def abort_reply(n_prompt: int) -> dict[str, Any]:
         "prompt_tokens": n_prompt, "completion_tokens": 0, "output_token_logprobs": [], "weight_version": ""}}
 
 
-def parse_generate_body(body: dict[str, Any]) -> tuple[list[list[int]], list[int], SamplingConfig]:
+def show(v: Any, limit: int = 60) -> str:
+    """repr of a client's value, cut short (a refused field may hold a huge list)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def strict_int(v: Any, field: str, lo: int | None = None, hi: int | None = None) -> int:
+    """v if it is a JSON integer in [lo, hi); ValueError naming `field` (true, 2.5 and "3" are not integers)."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{field}: an integer is required, got {show(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v >= hi):
+        span = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})"
+        raise ValueError(f"{field}: {show(v)} is outside {span}")
+    return v
+
+
+def strict_float(v: Any, field: str) -> float:
+    """v as a finite float; ValueError naming `field` (NaN, Infinity, true and "1.0" are refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{field}: a number is required, got {show(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past float range
+        f = float("inf")
+    if not math.isfinite(f):
+        raise ValueError(f"{field}: a finite number is required, got {show(v)}")
+    return f
+
+
+def strict_bool(v: Any, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{field}: true or false is required, got {show(v)}")
+    return v
+
+
+def token_ids(v: Any, field: str, vocab_size: int | None, allow_empty: bool = False) -> list[int]:
+    """A list of token ids in [0, vocab_size); ValueError naming the first bad entry."""
+    if not isinstance(v, list) or not (v or allow_empty):
+        what = "a list" if allow_empty else "a non-empty list"
+        raise ValueError(f"{field}: {what} of token ids is required, got {show(v)}")
+    for j, t in enumerate(v):
+        strict_int(t, f"{field}[{j}]")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"{field}[{j}]: token id {t} is outside the model's vocabulary "
+                             f"[0, {vocab_size if vocab_size is not None else 'inf'})")
+    return list(v)
+
+
+BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")  # accepted, no effect on ids-in, ids-out
+
+
+def _sampling_key(p: Any, where: str, vocab_size: int | None) -> tuple[int, tuple]:
+    """(sampling_seed, the rest of one request's sampling parameters), each field checked strictly."""
+    if not isinstance(p, dict):
+        raise ValueError(f"{where}: must be an object, got {show(p)}")
+    seed = strict_int(p.get("sampling_seed", 0), f"{where}.sampling_seed", 0, 2**64)
+    t = strict_float(p.get("temperature", 1.0), f"{where}.temperature")
+    if t < 0:
+        raise ValueError(f"{where}.temperature: must be >= 0 (0 = greedy), got {show(t)}")
+    top_p = strict_float(p.get("top_p", 1.0), f"{where}.top_p")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{where}.top_p: must be in (0, 1], got {show(top_p)}")
+    top_k = strict_int(p.get("top_k", -1), f"{where}.top_k", -1)  # -1 (SGLang) or 0: off
+    n = strict_int(p.get("max_new_tokens", 128), f"{where}.max_new_tokens", 1)
+    stop = p.get("stop_token_ids")
+    stop_ids = () if stop is None else tuple(token_ids(stop, f"{where}.stop_token_ids", vocab_size, True))
+    for k in BOOL_PARAMS:
+        if p.get(k) is not None:
+            strict_bool(p[k], f"{where}.{k}")
+    return seed, (t, max(top_k, 0), top_p, n, stop_ids)
+
+
+def parse_generate_body(body: dict[str, Any], vocab_size: int | None = None
+                        ) -> tuple[list[list[int]], list[int], SamplingConfig]:
     """(prompts, seeds, sampling) from a /generate body; ValueError naming the bad field.
 
-    One call is one batch, so every request must share the sampling parameters except the seed."""
+    Types are strict (a bool is not an int, a float must be finite, an int must be one), and with
+    vocab_size every token id must be in [0, vocab_size): a bad request gets a 400, never a dropped
+    connection. One call is one batch, so every request must share the sampling parameters except the seed."""
     ids = body.get("input_ids")
     if not isinstance(ids, list) or not ids:
         raise ValueError("input_ids: a non-empty list of token ids (or of lists of them) is required")
-    prompts = [ids] if isinstance(ids[0], int) else ids
-    if not all(isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p) for p in prompts):
-        raise ValueError("input_ids: every prompt must be a non-empty list of non-negative ints")
-    sp = body.get("sampling_params") or {}
-    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if all(isinstance(x, list) for x in ids):
+        prompts = [token_ids(p, f"input_ids[{i}]", vocab_size) for i, p in enumerate(ids)]
+    else:
+        prompts = [token_ids(ids, "input_ids", vocab_size)]
+    sp = body.get("sampling_params")
+    sps = [{}] * len(prompts) if sp is None else [sp] * len(prompts) if isinstance(sp, dict) else sp
+    if not isinstance(sps, list):
+        raise ValueError(f"sampling_params: an object or a list of them is required, got {show(sp)}")
     if len(sps) != len(prompts):
         raise ValueError(f"sampling_params: {len(sps)} entries for {len(prompts)} prompts")
-    if body.get("return_logprob") is False:
+    if body.get("return_logprob") is not None and not strict_bool(body["return_logprob"], "return_logprob"):
         raise ValueError("return_logprob: this server always returns log-probs; do not set it to false")
-    if body.get("stream"):
+    if body.get("stream") is not None and strict_bool(body["stream"], "stream"):
         raise ValueError("stream: streaming is not supported")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str) and not (
+            isinstance(rid, list) and len(rid) == len(prompts) and all(isinstance(r, str) for r in rid)):
+        raise ValueError(f"rid: a string, or a list of {len(prompts)} strings (one a prompt), is required, "
+                         f"got {show(rid)}")
     seeds: list[int] = []
     configs: set[tuple] = set()
     for i, p in enumerate(sps):
-        if not isinstance(p, dict):
-            raise ValueError(f"sampling_params[{i}]: must be an object")
-        seed = p.get("sampling_seed", 0)
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"sampling_params[{i}].sampling_seed: an integer in [0, 2**64) is required")
+        seed, rest = _sampling_key(p, f"sampling_params[{i}]", vocab_size)
         seeds.append(seed)
-        try:
-            top_k = int(p.get("top_k", -1))
-            configs.add((float(p.get("temperature", 1.0)), max(top_k, 0), float(p.get("top_p", 1.0)),
-                         int(p.get("max_new_tokens", 128)), tuple(int(t) for t in p.get("stop_token_ids") or ())))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"sampling_params[{i}]: {e}") from None
+        configs.add(rest)
     if len(configs) != 1:
         raise ValueError("sampling_params: requests of one call must share every parameter but sampling_seed")
     t, k, top_p, n, stop = configs.pop()

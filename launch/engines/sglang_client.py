@@ -2,8 +2,11 @@
 
 asyncio drives many calls at once; each call is a blocking urllib request on a worker thread
 (no extra dependency). Transport failures (refused, reset, timed out, HTTP 5xx) raise
-ServerDown, which the engine answers by recovering the server; a 4xx reply is a bad request and
-raises EngineError at once, with the server's message.
+ServerDown, which the engine answers by recovering the server; a connection the server accepted
+and then dropped (reset, closed before or during the reply) raises its subclass ConnectionDropped,
+which the engine re-issues while the server is still alive (a full listen queue drops connections
+of a healthy server). A 4xx reply is a bad request and raises EngineError at once, with the
+server's message.
 """
 
 from __future__ import annotations
@@ -24,6 +27,21 @@ from miles_fn.sampling import SamplingConfig
 
 class ServerDown(Exception):
     """The server did not answer (connection refused or reset, timeout, 5xx)."""
+
+
+class ConnectionDropped(ServerDown):
+    """The connection was reset or closed without a (complete) reply: the server may be dead, or alive
+    and overloaded (its listen queue full); the engine asks it before treating it as dead."""
+
+
+DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead)
+
+
+def transport_error(where: str, e: BaseException) -> ServerDown:
+    """The ServerDown for a failed call: ConnectionDropped when the connection was cut, not refused or timed out."""
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    kind = ConnectionDropped if isinstance(reason, DROPPED) else ServerDown
+    return kind(f"{where}: {type(e).__name__}: {reason}")
 
 
 class SGLangClient:
@@ -53,7 +71,7 @@ class SGLangClient:
                 raise ServerDown(f"{where}: HTTP {e.code}: {detail}") from None
             raise EngineError(f"{where}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as e:
-            raise ServerDown(f"{where}: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
+            raise transport_error(where, e) from None
         if not raw:
             return {}
         try:
