@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 FLAGFILE ?= launch/flags/cpu_tiny.flags
 
-.PHONY: run test lint bench clean
+.PHONY: run run-real test lint bench clean
 
 # torch is installed first and pinned: on the CPU machines this takes the CPU build on disk,
 # and the later install sees torch satisfied, so no CUDA build is ever pulled.
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m launch.main --flagfile=$(FLAGFILE)
+
+# The real model (docs/models.md): SmolLM2-135M-Instruct from the dev extra's GGUF, converted once, on chat arithmetic.
+run-real: $(STAMP)
+	$(PY) -m launch.main --flagfile=launch/flags/smollm2_arith.flags
 
 test: $(STAMP)
 	$(PY) -m pytest tests

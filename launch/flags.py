@@ -20,6 +20,8 @@ from launch.profiling import parse_profile_steps
 from launch.rl import RolloutShaping
 from miles_fn.advantages import ESTIMATORS
 from miles_fn.config import ModelConfig
+from miles_fn.lora import ALL_TARGETS as ALL_LORA_TARGETS
+from miles_fn.lora import LoraConfig, parse_targets
 from miles_fn.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from miles_fn.memory import MemoryConfig
 from miles_fn.objective import ObjectiveConfig
@@ -42,7 +44,11 @@ flags.DEFINE_boolean("progress", True, "Show a progress bar.")
 flags.DEFINE_boolean("resume", False, "Continue exactly from the latest checkpoint under <output_dir>/checkpoints.")
 
 # == Model: a random init's shape, or a checkpoint
-flags.DEFINE_string("hf_checkpoint", "", "Start from this Hugging Face checkpoint directory instead of a random init.")
+flags.DEFINE_string("hf_checkpoint", "", "Start from this Hugging Face checkpoint directory instead of a random init; "
+                    "a .gguf file or a model name (smollm2-135m-instruct, from the real extra) is converted to one "
+                    "once, under --model_cache_dir (state/gguf_import.py).")
+flags.DEFINE_string("model_cache_dir", "~/.cache/miles_fn/models", "Where --hf_checkpoint=FILE.gguf or a model name "
+                    "is converted to a checkpoint directory (one per GGUF file, reused while its sha256 matches).")
 flags.DEFINE_integer("hidden_size", 128, "Hidden size of a randomly initialised model.", lower_bound=8)
 flags.DEFINE_integer("intermediate_size", 384, "MLP size of a randomly initialised model.", lower_bound=8)
 flags.DEFINE_integer("num_layers", 2, "Layers of a randomly initialised model.", lower_bound=1)
@@ -52,10 +58,16 @@ flags.DEFINE_enum("model_type", "qwen2", ["qwen2", "llama"], "Architecture of a 
 flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
 
 # == Task and data: what is prompted and how it is scored (launch/data.py, launch/plugins.py)
-flags.DEFINE_enum("task", "addition", ["addition"], "The built-in task.")
+flags.DEFINE_enum("task", "addition", ["addition", "chat_arith"], "The built-in task: addition (the character "
+                  "tokenizer's '17+25='), or chat_arith (arithmetic questions through --hf_checkpoint's chat template, "
+                  "reward 1 when the reply's last integer is the answer; miles_fn/tasks/chat_arith.py).")
 flags.DEFINE_boolean("task_reverse_answer", False, "Addition answers written least-significant digit first.")
 flags.DEFINE_boolean("task_fixed_width", False, "Zero-pad addition operands and sums to a fixed width.")
-flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task.", lower_bound=1, upper_bound=6)
+flags.DEFINE_integer("task_digits", 2, "Digits per operand of the addition task (chat_arith: of the first operand).",
+                     lower_bound=1, upper_bound=6)
+flags.DEFINE_integer("task_second_digits", 0, "chat_arith: digits of the second operand (0 = --task_digits).",
+                     lower_bound=0, upper_bound=6)
+flags.DEFINE_string("task_ops", "+", "chat_arith: the operators its questions draw from, some of +-* (e.g. +-).")
 flags.DEFINE_integer("eval_every", 10, "Evaluate held-out success every N steps (0 = at the end only).", lower_bound=0)
 flags.DEFINE_integer("eval_size", 256, "Held-out prompts per evaluation.", lower_bound=1)
 flags.DEFINE_string("custom_generate_fn", "", "module:function for multi-turn / tool rollouts (launch/plugins.py).")
@@ -87,6 +99,12 @@ flags.DEFINE_enum("rollout_backend", "embedded", ["embedded", "http", "sglang"],
 flags.DEFINE_integer("rollout_batch_size", 0, "Requests per engine call (0 = the whole step); results depend on it.",
                      lower_bound=0)
 flags.DEFINE_string("rollout_url", "", "http backend: an already running launch.rollout_server (else one is started).")
+flags.DEFINE_integer("rollout_num_engines", 1, "http backend: rollout servers to start; more than 1 puts the real "
+                     "sglang-router in front of them (needs --rollout_batch_size=1).", lower_bound=1)
+flags.DEFINE_string("rollout_router_url", "", "http backend: an existing sglang-router; the servers it lists are the "
+                    "fleet (weights go to each directly; needs --rollout_batch_size=1).")
+flags.DEFINE_enum("rollout_router_policy", "round_robin", ["round_robin", "cache_aware", "power_of_two", "random"],
+                  "--policy of the router a --rollout_num_engines fleet starts.")
 flags.DEFINE_string("sglang_url", "", "sglang backend: a running SGLang server or router (else one is started).")
 flags.DEFINE_integer("rollout_max_inflight", 8, "Engine calls in flight at once (http, sglang).", lower_bound=1)
 flags.DEFINE_float("rollout_timeout_s", 120.0, "Seconds one engine call may take before the server counts as down.",
@@ -155,6 +173,14 @@ flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_b
 flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off).", lower_bound=0.0)
 flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
+
+# == LoRA: train low-rank adapters of a frozen base instead of every weight (miles_fn/lora.py)
+flags.DEFINE_integer("lora_rank", 0, "Rank r of the LoRA adapters (0 = off: every weight trains). Applies to RL, "
+                     "the SFT warm-up and --sft alike; the engine is sent the merged weights.", lower_bound=0)
+flags.DEFINE_float("lora_alpha", 16.0, "LoRA scale numerator: the adapted weight is W + (alpha / r) B A.",
+                   lower_bound=0.0)
+flags.DEFINE_string("lora_targets", ",".join(ALL_LORA_TARGETS), "Comma list of the linears each layer adapts, of "
+                    f"{','.join(ALL_LORA_TARGETS)} (q_proj-style names too).")
 
 # == Supervised: the warm-up before RL, and --sft runs
 flags.DEFINE_integer("sft_warmup_steps", 0, "Supervised steps on task answers before RL (reported).", lower_bound=0)
@@ -257,6 +283,22 @@ flags.register_validator("profile_steps", _profile_steps_ok, "--profile_steps mu
 flags.register_multi_flags_validator(
     ["eval_data", "prompt_data"], lambda v: not v["eval_data"] or bool(v["prompt_data"]),
     "--eval_data needs --prompt_data (the task's own held-out pairs are its evaluation set otherwise)")
+def _fleet_ok(v: dict) -> bool:
+    """A fleet (a router in front) runs one request per /generate call and syncs each server by tensor or disk."""
+    if v["rollout_num_engines"] == 1 and not v["rollout_router_url"]:
+        return True
+    return (v["rollout_backend"] == "http" and not v["rollout_url"] and v["rollout_batch_size"] == 1
+            and v["rollout_weight_sync"] != "distributed"
+            and not (v["rollout_router_url"] and v["rollout_num_engines"] > 1))
+
+
+flags.register_multi_flags_validator(
+    ["rollout_num_engines", "rollout_router_url", "rollout_backend", "rollout_url", "rollout_batch_size",
+     "rollout_weight_sync"], _fleet_ok,
+    "--rollout_num_engines > 1 and --rollout_router_url need --rollout_backend=http, --rollout_batch_size=1 (the "
+    "router forwards one sampling_params, so one seed, per /generate call), --rollout_weight_sync=tensor or disk, "
+    "and no --rollout_url; --rollout_router_url adopts the router's servers, so it excludes --rollout_num_engines > 1",
+)
 flags.register_validator(
     "debug_rollout_server_fault", lambda v: not v or engines.valid_fault(v),
     f"--debug_rollout_server_fault must be {engines.FAULTS}",
@@ -293,10 +335,33 @@ flags.register_multi_flags_validator(
     lambda v: v["hidden_size"] % v["num_heads"] or (v["hidden_size"] // v["num_heads"]) % 2 == 0,
     "--hidden_size / --num_heads (the head size) must be even: RoPE rotates pairs of dimensions",
 )
+flags.register_validator("task_ops", lambda v: bool(v) and set(v) <= set("+-*"),
+                         "--task_ops must be one or more of the characters + - * (e.g. --task_ops=+-)")
+flags.register_multi_flags_validator(
+    ["task", "hf_checkpoint"], lambda v: v["task"] != "chat_arith" or bool(v["hf_checkpoint"]),
+    "--task=chat_arith needs --hf_checkpoint (a model whose tokenizer has a chat template, e.g. "
+    "--hf_checkpoint=smollm2-135m-instruct)")
 flags.register_validator("top_p", lambda v: v > 0, "--top_p must be in (0, 1]: 0 would keep no token")
 flags.register_validator("eps_clip_high", lambda v: v == -1 or v >= 0, "--eps_clip_high must be >= 0 (or -1 = "
                          "--eps_clip)")
 flags.register_validator("dual_clip_c", lambda v: v > 1, "--dual_clip_c must be > 1")
+
+
+def _lora_targets_ok(text: str) -> bool:
+    try:
+        parse_targets(text)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("lora_targets", _lora_targets_ok, "--lora_targets must be a comma list of "
+                         f"{','.join(ALL_LORA_TARGETS)} (or q_proj, k_proj, ... gate_proj, up_proj, down_proj)")
+flags.register_validator("lora_alpha", lambda v: v > 0, "--lora_alpha must be > 0 (0 would freeze the model)")
+flags.register_multi_flags_validator(
+    ["lora_rank", "advantage_estimator"], lambda v: not v["lora_rank"] or v["advantage_estimator"] != "gae",
+    "--lora_rank does not support --advantage_estimator=gae yet (the value model is a full copy of the trunk); "
+    "use --lora_rank=0 or another --advantage_estimator")
 for _beta in ("adam_beta1", "adam_beta2"):
     flags.register_validator(_beta, lambda v: v < 1, f"--{_beta} must be < 1: at 1 Adam's bias correction divides "
                              "by zero")
@@ -366,6 +431,10 @@ class RunConfig:
     offpolicy: OffPolicyConfig = OffPolicyConfig()
     modes: LoopModes = LoopModes()
     tokenizer: str = ""  # HF tokenizer directory for --prompt_data (resolved: --tokenizer or --hf_checkpoint's)
+    lora: LoraConfig = LoraConfig()  # --lora_rank > 0: adapters train, the base stays frozen
+    task: str = "addition"  # --task: the built-in task (chat_arith also reads task_second_digits, task_ops)
+    task_second_digits: int = 0
+    task_ops: str = "+"
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int,
@@ -485,6 +554,10 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         modes=LoopModes(f.debug_rollout_only, f.debug_train_only, f.partial_rollouts, f.partial_rollout_tokens,
                         f.async_rollout),
         tokenizer=tokenizer,
+        lora=LoraConfig(rank=f.lora_rank, alpha=f.lora_alpha, targets=parse_targets(f.lora_targets)),
+        task=f.task,
+        task_second_digits=f.task_second_digits,
+        task_ops=f.task_ops,
     )
 
 
@@ -494,6 +567,9 @@ def rollout_config_from_flags() -> RolloutConfig:
         backend=f.rollout_backend,
         batch_size=f.rollout_batch_size,
         url=f.rollout_url,
+        num_engines=f.rollout_num_engines,
+        router_url=f.rollout_router_url,
+        router_policy=f.rollout_router_policy,
         sglang_url=f.sglang_url,
         max_inflight=f.rollout_max_inflight,
         timeout_s=f.rollout_timeout_s,
@@ -559,6 +635,7 @@ SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Rollout", ("prompts_per_step", "group_size", "temperature", "max_new_tokens", "rollout_backend")),
     ("Algorithm", ("advantage_estimator", "policy_loss", "kl_coef", "eps_clip")),
     ("Optimisation", ("lr", "decay_steps", "min_lr", "max_grad_norm")),
+    ("LoRA", ("lora_rank", "lora_alpha", "lora_targets")),
     ("Supervised", ("sft_warmup_steps", "sft", "sft_data")),
     ("Packing and memory", ("max_tokens_per_micro_batch", "recompute")),
     ("True on-policy and kernels", ("true_on_policy",)),

@@ -33,18 +33,20 @@ from launch.metrics import MetricsFileError, MetricsWriter, plot_curves, to_floa
 from launch.plugins import PluginError
 from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
-from miles_fn import model, prng, train
+from miles_fn import lora, model, prng, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
 from miles_fn.tasks.addition import AdditionTask
-from state import hf
+from miles_fn.tasks.chat_arith import ChatArithTask
+from state import gguf_import, hf
 from state.train_state import RolloutBuffer, TrainState
 from state.tree import tree_hash
 
 # Sub-keys of a step's key, by purpose. Fixed forever: changing one changes every run.
 K_DATA, K_ROLLOUT, K_TRAIN = 0, 1, 2
 INIT_STREAM, SFT_STREAM, EVAL_STREAM = 0x1417, 1 << 31, 0xE7A1
+LORA_STREAM = 0x10AA
 
 
 class UserError(Exception):
@@ -54,7 +56,7 @@ class UserError(Exception):
 @dataclasses.dataclass
 class Job:
     cfg: run_flags.RunConfig
-    task: AdditionTask
+    task: AdditionTask | ChatArithTask
     state: TrainState
     engine: Engine
     eval_pairs: list[tuple[int, int]]
@@ -106,8 +108,7 @@ def build(cfg: run_flags.RunConfig) -> Job:
         ops.require_backends(cfg.ops)
     except (third_party.MissingPackageError, ValueError) as e:
         raise UserError(str(e)) from e
-    task = AdditionTask(digits=cfg.task_digits, reverse_answer=cfg.task_reverse_answer,
-                        fixed_width=cfg.task_fixed_width)
+    task = make_task(cfg)
     root = prng.key(cfg.seed)
     if cfg.hf_checkpoint:
         try:
@@ -121,7 +122,9 @@ def build(cfg: run_flags.RunConfig) -> Job:
     else:
         params = model.init_params(cfg.model, prng.fold_in(root, INIT_STREAM), cfg.init_std)
     check_positions(cfg, task)
-    state = train.init_state(params, root)
+    # --lora_rank: the optimizer trains adapters of the frozen params (their A from their own stream of the seed)
+    state = (lora.init_state(params, cfg.lora, prng.fold_in(root, LORA_STREAM), root) if cfg.lora.enabled
+             else train.init_state(params, root))
     rollout_task: Any = task
     if cfg.tokenizer:
         try:
@@ -140,7 +143,8 @@ def build(cfg: run_flags.RunConfig) -> Job:
     if cfg.modes.debug_train_only:
         engine: Engine = NoEngine()
     else:
-        engine = make_engine(cfg.rollout, cfg.model, state.params, cfg.output_dir, cfg.num_threads, ops_cfg=cfg.ops,
+        engine = make_engine(cfg.rollout, cfg.model, lora.model_params(state, cfg.lora), cfg.output_dir,
+                             cfg.num_threads, ops_cfg=cfg.ops,
                              vocab_limit=cfg.sampling.vocab_limit)
     pool = partial.Pool() if cfg.modes.partial_rollouts else None
     eval_set = None
@@ -151,7 +155,31 @@ def build(cfg: run_flags.RunConfig) -> Job:
                eval_set=eval_set)
 
 
-def check_positions(cfg: run_flags.RunConfig, task: AdditionTask) -> None:
+def make_task(cfg: run_flags.RunConfig) -> AdditionTask | ChatArithTask:
+    """The built-in task of --task (chat_arith poses its questions through --hf_checkpoint's chat template)."""
+    if cfg.task == "chat_arith":
+        return chat_task(cfg.hf_checkpoint, cfg.task_digits, cfg.task_second_digits, cfg.task_ops)
+    return AdditionTask(digits=cfg.task_digits, reverse_answer=cfg.task_reverse_answer,
+                        fixed_width=cfg.task_fixed_width)
+
+
+def chat_task(hf_dir: str, digits: int, second_digits: int, task_ops: str) -> ChatArithTask:
+    try:
+        return ChatArithTask(data.load_tokenizer(hf_dir), digits, second_digits, task_ops)
+    except (DataError, ValueError) as e:
+        raise UserError(f"--task=chat_arith with --hf_checkpoint={hf_dir}: {e}") from e
+
+
+def resolve_hf_checkpoint(spec: str, cache_dir: str) -> str:
+    """--hf_checkpoint as a checkpoint directory: a .gguf file or a model name is converted once under
+    --model_cache_dir (state/gguf_import.py); a directory stays as it is."""
+    try:
+        return gguf_import.resolve_checkpoint(spec, cache_dir, log=lambda m: sys.stderr.write(m + "\n"))
+    except gguf_import.ImportFailed as e:
+        raise UserError(f"--hf_checkpoint={spec}: {e}") from e
+
+
+def check_positions(cfg: run_flags.RunConfig, task: AdditionTask | ChatArithTask) -> None:
     """The task's longest prompt plus --max_new_tokens must fit the model's positions (--prompt_data rows are
     checked row by row when they are read)."""
     if cfg.rollout.prompt_data or cfg.rollout.load_rollouts:
@@ -219,7 +247,7 @@ def sft_warmup(job: Job, guard: steps.StepGuard) -> float:
         cur.summary["sft_final_loss"] = float(m["loss"])
         if cfg.save_every and cur.sft_step % cfg.save_every == 0 and cur.sft_step < cfg.sft_warmup_steps:
             save_checkpoint(job)
-    job.engine.update_weights(int(job.state.step), job.state.params)
+    job.engine.update_weights(int(job.state.step), model_params(job))
     return cur.summary.get("sft_final_loss", float("nan"))
 
 
@@ -256,7 +284,8 @@ def rollout(
                                    cfg.normalize_advantage_std, col.loss_masks)
     if ref_params is not None:
         with torch.no_grad(), timer("logprob_recompute"):
-            ref = model.sequence_logprobs(ref_params, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
+            ref_model = lora.full_params(ref_params, getattr(job.state, "base", None), cfg.lora)
+            ref = model.sequence_logprobs(ref_model, cfg.model, buf.tokens, buf.positions, buf.segment_ids,
                                           cfg.loss.temperature, ops_cfg=cfg.ops)
         buf = buf._replace(ref_logprobs=ref)
     buf = rl.finish(job, buf)  # critic values and the configured advantage estimator
@@ -277,8 +306,17 @@ def rollout(
     return buf, stats
 
 
+def model_params(job: Job) -> Any:
+    """The full model the trainer's state stands for, as the engine serves it: merged under --lora_rank."""
+    return lora.model_params(job.state, job.cfg.lora)
+
+
 def save_checkpoint(job: Job) -> None:
-    """Everything the next step needs (launch/resume.py); once per state step."""
+    """Everything the next step needs (launch/resume.py); once per state step.
+
+    Under --lora_rank the frozen base is left out (it is rebuilt from --hf_checkpoint or --seed, as at the
+    start); the checkpoint keeps its hash, which --resume checks, so the adapters continue on the same base.
+    """
     if int(job.state.step) == job.saved_step:
         return
     block = lambda: debug.block_at(job.cfg.repro.debug_block_at, "checkpoint_write", int(job.state.step))
@@ -287,7 +325,11 @@ def save_checkpoint(job: Job) -> None:
         extra["partial_pool"] = partial.to_tree(job.pool)
     if job.ahead_rollout is not None:
         extra["ahead_rollout"] = {"buffer": job.ahead_rollout[0], "stats": dict(job.ahead_rollout[1])}
-    resume.save(job.cfg.output_dir, job.state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block,
+    state = job.state
+    if getattr(state, "base", None) is not None:
+        extra["lora_base_hash"] = tree_hash(state.base)
+        state = state._replace(base=None)
+    resume.save(job.cfg.output_dir, state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block,
                 extra)
     job.saved_step = int(job.state.step)
 
@@ -295,12 +337,21 @@ def save_checkpoint(job: Job) -> None:
 def restore(job: Job) -> None:
     """Continue from the latest checkpoint (--resume): state, KL reference, cursor, engine weights."""
     r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
-    job.state, job.ref_params, job.cursor, job.saved_step = r.state, r.ref_params, r.cursor, int(r.state.step)
+    state = r.state
+    if getattr(job.state, "base", None) is not None:  # --lora_rank: the saved adapters on this run's (same) base
+        saved, now = r.extra.pop("lora_base_hash", None), tree_hash(job.state.base)
+        if saved != now:
+            raise resume.ResumeError(f"--resume: the base model (--hf_checkpoint={job.cfg.hf_checkpoint!r}, "
+                                     f"--seed={job.cfg.seed}) hashes to {now[:12]}, not to the {str(saved)[:12]} "
+                                     f"the LoRA adapters of {r.path} were trained on; restore that checkpoint "
+                                     f"directory or start a new --output_dir")
+        state = state._replace(base=job.state.base)
+    job.state, job.ref_params, job.cursor, job.saved_step = state, r.ref_params, r.cursor, int(r.state.step)
     if job.pool is not None and "partial_pool" in r.extra:
         job.pool = partial.from_tree(r.extra["partial_pool"])
     if "ahead_rollout" in r.extra:
         job.ahead_rollout = (r.extra["ahead_rollout"]["buffer"], r.extra["ahead_rollout"]["stats"])
-    job.engine.update_weights(int(job.state.step), job.state.params)
+    job.engine.update_weights(int(job.state.step), model_params(job))
     sys.stderr.write(f"resumed from {r.path}: {job.cursor.sft_step} SFT and {job.cursor.rl_step} RL steps done\n")
 
 
@@ -345,8 +396,10 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
         if cfg.sft_warmup_steps:
             sft_warmup(job, guard)
         cur.sft_done = True
-        cur.last_eval = summary["eval_success_step0"] = evaluate(job)
-        job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None
+        # without a warm-up the weights are the initial ones: their (greedy, fixed-key) evaluation is already known
+        cur.last_eval = summary["eval_success_step0"] = (evaluate(job) if cfg.sft_warmup_steps
+                                                         else summary["eval_success_init"])
+        job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None  # under --lora_rank: the adapters
         job.state = rl.attach_critic(cfg, job.state)  # PPO: a value model from the warmed-up trunk
         if cfg.save_every and cfg.sft_warmup_steps:
             save_checkpoint(job)
@@ -390,7 +443,7 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
             if ahead is not None:
                 job.ahead_rollout = ahead[0].result()
             with timer("weight_sync"):
-                job.engine.update_weights(int(job.state.step), job.state.params)
+                job.engine.update_weights(int(job.state.step), model_params(job))
             metrics = to_floats({**stats, **metrics})
         cur.rl_step = step + 1
         profiler.end(step + 1)
@@ -438,9 +491,9 @@ def run_sft(job: Job, writer: MetricsWriter, summary: dict[str, Any]) -> dict[st
     loss_fn, stream, t0 = train.make_sft_loss(cfg.model), prng.fold_in(job.state.key, SFT_STREAM), time.time()
     for s in range(cfg.num_steps):
         k = prng.fold_in(stream, s)
-        job.state, m = train.train_step(job.state, sft_data.batch(examples, k, cfg.sft_batch_size), k, loss_fn,
-                                        cfg.sft_optim)
-        job.engine.update_weights(int(job.state.step), job.state.params)
+        job.state, m = train.train_step(job.state, sft_data.batch(examples, k, cfg.sft_batch_size), k,
+                                        lora.loss_for(loss_fn, job.state, cfg.lora), cfg.sft_optim)
+        job.engine.update_weights(int(job.state.step), model_params(job))
         metrics = to_floats(m)
         if (cfg.eval_every and (s + 1) % cfg.eval_every == 0) or s + 1 == cfg.num_steps:
             metrics["eval_success"] = evaluate(job)
@@ -463,13 +516,17 @@ def _progress(cfg: run_flags.RunConfig, initial: int = 0):
 
 def config_from_flags() -> run_flags.RunConfig:
     """The RunConfig of the parsed flags (the task fixes vocabulary, stop token and answer length)."""
-    task = AdditionTask(digits=flags.FLAGS.task_digits)
+    f = flags.FLAGS
+    hf_dir = resolve_hf_checkpoint(f.hf_checkpoint, f.model_cache_dir)
+    task = (chat_task(hf_dir, f.task_digits, f.task_second_digits, f.task_ops) if f.task == "chat_arith"
+            else AdditionTask(digits=f.task_digits))
     vocab, stop = task.tokenizer.vocab_size, (task.tokenizer.eos_id,)
-    tok_dir = tokenizer_dir(flags.FLAGS.tokenizer, flags.FLAGS.hf_checkpoint, flags.FLAGS.prompt_data)
+    tok_dir = tokenizer_dir(f.tokenizer, hf_dir, f.prompt_data)
     if tok_dir:  # --prompt_data through a Hugging Face tokenizer: its ids fit the model, its EOS stops generation
         tok = data.load_tokenizer(tok_dir)
         vocab, stop = max(vocab, tok.vocab_size), (tok.eos_id,)
-    return run_flags.configs_from_flags(vocab, stop, task.max_answer_tokens, tok_dir)
+    cfg = run_flags.configs_from_flags(vocab, stop, task.max_answer_tokens, tok_dir)
+    return dataclasses.replace(cfg, hf_checkpoint=hf_dir)
 
 
 def tokenizer_dir(tokenizer: str, hf_checkpoint: str, prompt_data: str) -> str:

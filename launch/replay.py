@@ -22,7 +22,7 @@ from absl import app, flags
 from launch import flags as run_flags
 from launch import resume, steps
 from launch.main import config_from_flags, setup_torch
-from miles_fn import model
+from miles_fn import lora, model
 from miles_fn.config import ModelConfig
 from state import checkpoint, snapshot
 from state.tree import tree_hash
@@ -57,7 +57,8 @@ def dump_activations(snap: snapshot.Snapshot, cfg: run_flags.RunConfig, out_dir:
 
     b = snap.batch
     with torch.no_grad():
-        logits, acts = model.forward_with_activations(snap.state.params, cfg.model, b.tokens, b.positions,
+        params = lora.model_params(snap.state, cfg.lora)  # --lora_rank: the merged weights the step ran on
+        logits, acts = model.forward_with_activations(params, cfg.model, b.tokens, b.positions,
                                                       model.causal_segment_mask(b.segment_ids))
     acts = {**acts, "logits": logits}
     os.makedirs(out_dir, exist_ok=True)

@@ -18,7 +18,7 @@ import torch
 from launch import memory as launch_memory
 from launch import rollout
 from launch.engines.config import RolloutConfig
-from miles_fn import dapo, objective, prng, train
+from miles_fn import dapo, lora, objective, prng, train
 from miles_fn.config import ModelConfig
 from miles_fn.rollout_buffer import gradient_rows
 from state.train_state import ActorCriticState, RolloutBuffer
@@ -97,7 +97,8 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
 
     def policy_update(state: Any, buf: RolloutBuffer, key: prng.Key):
         rows = gradient_rows(buf) if skip else buf
-        state, metrics = launch_memory.train_update(cfg.memory, cfg.model, state, rows, key, policy_loss, cfg.optim)
+        loss_fn = lora.loss_for(policy_loss, state, getattr(cfg, "lora", None))  # --lora_rank: in the adapters
+        state, metrics = launch_memory.train_update(cfg.memory, cfg.model, state, rows, key, loss_fn, cfg.optim)
         if skip:
             metrics["train_rows_frac"] = torch.tensor(rows.tokens.shape[0] / max(buf.tokens.shape[0], 1))
         return state, metrics

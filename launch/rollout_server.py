@@ -61,6 +61,7 @@ class RolloutState:
         self.waiting: dict[int, list[str]] = {}  # waiting call id -> its request ids
         self.aborted: set[int] = set()  # waiting call ids to answer with an abort
         self.calls = 0
+        self.served_by = ""  # this server's URL, named in each reply's meta_info (a router does not say who served)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Mark waiting calls that hold `rid` (or all) as aborted; how many. An unknown rid is a no-op, as in SGLang."""
@@ -101,7 +102,10 @@ class RolloutState:
             os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
         reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
         samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg)
-        return sglang_api.generate_reply(samples, [len(p) for p in prompts])
+        reply = sglang_api.generate_reply(samples, [len(p) for p in prompts])
+        for item in reply if self.served_by else ():
+            item["meta_info"]["served_by"] = self.served_by
+        return reply
 
     def update_from_tensors(self, body: dict[str, Any]) -> dict[str, Any]:
         fmt = body.get("load_format")
@@ -452,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
                          args.debug_group_fault, ops_cfg, args.vocab_limit)
     server = RolloutHTTPServer((args.host, args.port), make_handler(state, args.read_timeout_s), args.listen_backlog)
-    print(f"rollout server listening on http://{args.host}:{server.server_address[1]}", flush=True)
+    state.served_by = f"http://{args.host}:{server.server_address[1]}"
+    print(f"rollout server listening on {state.served_by}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

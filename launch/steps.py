@@ -18,7 +18,7 @@ import torch
 from launch import memory as launch_memory
 from launch import resume
 from launch.flags import RunConfig
-from miles_fn import prng, train
+from miles_fn import lora, prng, train
 from miles_fn.config import ModelConfig
 from state import snapshot
 from state.train_state import TrainState
@@ -33,14 +33,16 @@ class StepFailed(Exception):
 
 
 def make_step_fn(cfg: RunConfig, phase: str) -> StepFn:
-    """RL: the GRPO loss under the memory flags (micro-batching, recompute); SFT: the plain supervised step."""
+    """RL: the GRPO loss under the memory flags (micro-batching, recompute); SFT: the plain supervised step.
+    Under --lora_rank both differentiate the loss of the merged weights in the adapters (lora.loss_for)."""
     if phase == "rl":  # the default is make_grpo_loss under launch.memory; launch.rl picks by the objective flags
         from launch import rl
 
         return rl.make_update(cfg)
     if phase == "sft":
         loss_fn = train.make_sft_loss(cfg.model, cfg.ops)
-        return lambda state, batch, key: train.train_step(state, batch, key, loss_fn, cfg.sft_optim)
+        return lambda state, batch, key: train.train_step(state, batch, key, lora.loss_for(loss_fn, state, cfg.lora),
+                                                          cfg.sft_optim)
     raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
 
 

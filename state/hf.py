@@ -106,3 +106,24 @@ def save_hf(path: str, cfg: ModelConfig, params: Params, dtype: torch.dtype = to
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_dict(cfg), f, indent=2)
+
+
+def save_peft_adapter(path: str, adapters: Any, lora_cfg: Any, base_model: str = "") -> None:
+    """Write LoRA adapters (miles_fn.lora) as peft saves them: adapter_config.json + adapter_model.safetensors,
+    which `peft.PeftModel.from_pretrained(base, path)` loads onto the base model in transformers."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for i, layer in enumerate(adapters["layers"]):
+        for ours, ab in layer.items():
+            module = _LAYER_NAMES[ours].removesuffix(".weight")
+            for part, key in (("a", "lora_A"), ("b", "lora_B")):
+                name = f"base_model.model.model.layers.{i}.{module}.{key}.weight"
+                tensors[name] = ab[part].detach().cpu().contiguous()
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = sorted({_LAYER_NAMES[n].removesuffix(".weight").split(".")[-1] for layer in adapters["layers"]
+                      for n in layer})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "base_model_name_or_path": base_model or None}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

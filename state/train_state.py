@@ -18,12 +18,16 @@ class TrainState(NamedTuple):
 
     `key` is the run's root key: step s uses fold_in(key, s), so the key never
     has to be threaded or advanced and a resumed run draws the same numbers.
+    `params` is what the optimizer trains: the model, or under LoRA the adapters of `base`.
     """
 
     params: Any
     opt_state: AdamWState
     step: torch.Tensor  # int64 scalar
     key: torch.Tensor  # PRNG key [2]
+    # LoRA (miles_fn/lora.py): the frozen model that `params`, then the adapters alone, adapt; None when
+    # `params` is the whole model. Never updated, so checkpoints leave it out (launch/main.py save_checkpoint).
+    base: Any = None
 
 
 class RolloutBuffer(NamedTuple):

@@ -38,26 +38,34 @@ def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir:
     raise ValueError(f"--rollout_backend={rcfg.backend}: expected embedded, http or sglang")
 
 
-FAULTS = "crash_once:N, crash_always:N, crash_permanent:N, crash_in_sync:N or group_unreachable"
+FAULTS = ("crash_once:N, crash_always:N, crash_permanent:N, crash_in_sync:N, group_unreachable, "
+          "fleet_down:N or router_crash:N")
 
 
 def valid_fault(fault: str) -> bool:
     mode, _, n = fault.partition(":")
     if mode == "group_unreachable":
         return not n
-    return mode in ("crash_once", "crash_always", "crash_permanent", "crash_in_sync") and n.isdigit()
+    return mode in ("crash_once", "crash_always", "crash_permanent", "crash_in_sync", "fleet_down",
+                    "router_crash") and n.isdigit()
 
 
 def _fault_args(fault: str, first: bool) -> list[str]:
     """Fault injection for tests: the server crashes on its Nth /generate call; after that a
     restarted server works (crash_once), crashes again (crash_always) or cannot start (crash_permanent).
     crash_in_sync:N: the first server dies inside its Nth distributed weight update (mid-broadcast);
-    group_unreachable: every server fails to reach the weight-update group."""
+    group_unreachable: every server fails to reach the weight-update group. In a fleet (launch/engines/fleet.py)
+    these apply to server 0 only, but fleet_down:N (every server crashes on its Nth call and cannot restart) and
+    router_crash:N (the run kills its router inside its Nth generate call)."""
     if not fault:
         return []
     if not valid_fault(fault):
         raise ValueError(f"--debug_rollout_server_fault={fault}: expected {FAULTS}")
     mode, _, n = fault.partition(":")
+    if mode == "router_crash":
+        return []
+    if mode == "fleet_down":  # in a fleet, every server (one server: as crash_permanent)
+        return ["--debug-exit-after", n] if first else ["--debug-fail-start"]
     if mode == "group_unreachable":
         return ["--debug-group-fault", "unreachable"]
     if mode == "crash_in_sync":
@@ -112,17 +120,38 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
             engine.close()
             raise
         return engine
+    if rcfg.router_url:
+        from launch.engines.fleet import adopt_fleet
+
+        if ops_cfg.invariant:
+            raise EngineError(f"--rollout_router_url={rcfg.router_url} with --true_on_policy: the run cannot check "
+                              "the kernels of servers behind a router; start them with this run "
+                              "(--rollout_num_engines)")
+        return adopt_fleet(mcfg, params, version, router_url=rcfg.router_url, sync_for=lambda: sync,
+                           timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight, recovery=recovery)
     _fault_args(rcfg.server_fault, True)  # validate before starting anything
     init = os.path.abspath(os.path.join(wdir, "init"))
     hf.save_hf(init, mcfg, params)
 
-    def command(port: int, first: bool) -> list[str]:
+    def server_command(index: int, port: int, first: bool) -> list[str]:
+        fault = rcfg.server_fault if index == 0 or rcfg.server_fault.startswith("fleet_down") else ""
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
                 "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent", *server_ops_args(ops_cfg),
                 "--vocab-limit", str(vocab_limit),
-                *_fault_args(rcfg.server_fault, first)]
+                *_fault_args(fault, first)]
+
+    def command(port: int, first: bool) -> list[str]:
+        return server_command(0, port, first)
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if rcfg.num_engines > 1:
+        from launch.engines.fleet import start_fleet
+
+        mode, _, n = rcfg.server_fault.partition(":")
+        return start_fleet(mcfg, params, version, n=rcfg.num_engines, server_command=server_command,
+                           sync_for=lambda: sync, output_dir=output_dir, policy=rcfg.router_policy,
+                           timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight, recovery=recovery, cwd=root,
+                           router_fault=int(n) if mode == "router_crash" else 0)
     proc = ServerProcess(command, os.path.join(output_dir, "rollout_server.log"), rcfg.start_timeout_s, cwd=root)
     return RemoteEngine(mcfg, params, version, process=proc, **common)

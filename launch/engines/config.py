@@ -10,6 +10,9 @@ class RolloutConfig:
     backend: str = "embedded"  # embedded | http (launch.rollout_server) | sglang
     batch_size: int = 0  # requests per engine call (0 = the whole step): results depend on it
     url: str = ""  # http: an already running rollout server (else this run starts one)
+    num_engines: int = 1  # http: servers this run starts, behind a sglang-router it starts (launch/engines/fleet.py)
+    router_url: str = ""  # http: an existing sglang-router; its workers are the fleet
+    router_policy: str = "round_robin"  # the started router's --policy
     sglang_url: str = ""  # sglang: an already running server or router (else this run starts one)
     max_inflight: int = 8
     timeout_s: float = 120.0

