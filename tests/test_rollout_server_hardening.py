@@ -13,7 +13,7 @@ import pytest
 from launch import rollout_server
 from launch.engines.base import EngineError, Sample, make_requests
 from launch.engines.embedded import EmbeddedEngine
-from launch.engines.remote import RecoveryPolicy, RemoteEngine, check_vocab, tensor_sync
+from launch.engines.remote import RecoveryPolicy, RemoteEngine, check_samples, tensor_sync
 from launch.engines.sglang_api import parse_generate_body
 from launch.engines.sglang_client import ConnectionDropped, transport_error
 from miles_fn import prng
@@ -175,12 +175,15 @@ def test_half_a_body_is_answered_408_and_frees_the_handler(url):
         s.close()
 
 
-def test_a_sampled_id_past_the_tokenizer_is_refused_by_name():
-    ok = [Sample([1, 9], [0.0, 0.0], "length", 0)]
-    check_vocab(ok, 10, "http://s")
-    check_vocab(ok + [Sample([12], [0.0], "length", 0)], 0, "http://s")  # no limit
-    with pytest.raises(EngineError, match=r"sampled token id 12, outside the tokenizer's 10 ids.*--vocab-limit 10"):
-        check_vocab(ok + [Sample([12], [0.0], "length", 0)], 10, "http://s")
+def test_samples_past_the_tokenizer_or_from_old_weights_are_refused_by_name():
+    ok = [Sample([1, 9], [0.0, 0.0], "length", 3)]
+    check_samples(ok, 3, 10, "rollout server http://s")
+    check_samples(ok + [Sample([12], [0.0], "length", 3)], 3, 0, "rollout server http://s")  # no limit
+    with pytest.raises(EngineError, match=r"http://s sampled token id 12, outside the tokenizer's 10 ids.*"
+                                          r"--vocab-limit 10"):
+        check_samples(ok + [Sample([12], [0.0], "length", 3)], 3, 10, "rollout server http://s")
+    with pytest.raises(EngineError, match=r"http://s produced samples with weight version 3, expected 4"):
+        check_samples(ok, 4, 10, "rollout server http://s")
 
 
 def test_server_vocab_limit_cuts_the_padded_rows(url):

@@ -36,7 +36,7 @@ from typing import Any
 
 from launch.engines import sglang_api
 from launch.engines.base import EngineError, Request, Sample, chunked
-from launch.engines.remote import RecoveryPolicy, ServerProcess, check_vocab, free_port
+from launch.engines.remote import RecoveryPolicy, ServerProcess, check_samples, free_port
 from launch.engines.sglang_client import ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
@@ -211,11 +211,7 @@ class FleetEngine:
             with open(self.record_path, "a") as f:
                 f.write(json.dumps({"call": self.generate_calls, "weight_version": self._version,
                                     "served_by": engines}) + "\n")
-        stale = [s.weight_version for s in samples if s.weight_version != self._version]
-        if stale:
-            raise EngineError(f"the rollout fleet behind {self.router.url} produced samples with weight version "
-                              f"{stale[0]}, expected {self._version}: a server's weights are not the trainer's")
-        check_vocab(samples, sampling.vocab_limit, self.router.url)
+        check_samples(samples, self._version, sampling.vocab_limit, f"the rollout fleet behind {self.router.url}")
         return samples
 
     # --- failover ------------------------------------------------------------------------------

@@ -114,15 +114,18 @@ def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_vocab(samples: Sequence[Sample], vocab_limit: int, url: str) -> None:
-    """Refuse a sampled id the tokenizer does not have (a padded vocabulary's row): decoding it would fail later.
+def check_samples(samples: Sequence[Sample], version: int, vocab_limit: int, who: str) -> None:
+    """Refuse samples the trainer must not see: from other weights than `version`, or with an id the tokenizer
+    does not have (a padded vocabulary's row: decoding it would fail later). `who` names the source.
 
-    launch.rollout_server started by this run never samples one (--vocab-limit); SGLang samples every row."""
-    if not vocab_limit:
-        return
-    bad = next((t for s in samples for t in s.tokens if not 0 <= t < vocab_limit), None)
+    launch.rollout_server started by this run never samples such an id (--vocab-limit); SGLang samples every row."""
+    stale = [s.weight_version for s in samples if s.weight_version != version]
+    if stale:
+        raise EngineError(f"{who} produced samples with weight version {stale[0]}, expected {version}: "
+                          "its weights are not the trainer's")
+    bad = next((t for s in samples for t in s.tokens if not 0 <= t < vocab_limit), None) if vocab_limit else None
     if bad is not None:
-        raise EngineError(f"rollout server {url} sampled token id {bad}, outside the tokenizer's {vocab_limit} ids "
+        raise EngineError(f"{who} sampled token id {bad}, outside the tokenizer's {vocab_limit} ids "
                           "(the checkpoint's vocabulary is padded past its tokenizer); start launch.rollout_server "
                           f"with --vocab-limit {vocab_limit} so those rows are never sampled")
 
@@ -205,11 +208,7 @@ class RemoteEngine:
                                       f"{recoveries} times; giving up (last error: {down}){self._log_hint()}")
                 self._recover(down)
         samples = [s for chunk in results for s in chunk]  # type: ignore[union-attr]
-        stale = [s.weight_version for s in samples if s.weight_version != self._version]
-        if stale:
-            raise EngineError(f"rollout server {self.client.url} produced samples with weight version {stale[0]}, "
-                              f"expected {self._version}: its weights are not the trainer's")
-        check_vocab(samples, sampling.vocab_limit, self.client.url)
+        check_samples(samples, self._version, sampling.vocab_limit, f"rollout server {self.client.url}")
         return samples
 
     def _recover(self, cause: ServerDown) -> None:
