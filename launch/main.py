@@ -67,6 +67,7 @@ class Job:
     pool: partial.Pool | None = None  # --partial_rollouts: the unfinished groups carried between steps
     ahead_rollout: Any = None  # --async_rollout: (buffer, stats) of the next step, generated ahead
     eval_set: Any = None  # --eval_data: (prompt ids, labels) of its first --eval_size rows
+    base_hash: str = ""  # --lora_rank: tree_hash of the frozen base, once (it never changes; seconds for a real model)
 
 
 class NoEngine:
@@ -311,6 +312,13 @@ def model_params(job: Job) -> Any:
     return lora.model_params(job.state, job.cfg.lora)
 
 
+def lora_base_hash(job: Job) -> str:
+    """The hash of the frozen LoRA base a checkpoint records and --resume checks, computed once a run."""
+    if not job.base_hash:
+        job.base_hash = tree_hash(job.state.base)
+    return job.base_hash
+
+
 def save_checkpoint(job: Job) -> None:
     """Everything the next step needs (launch/resume.py); once per state step.
 
@@ -327,7 +335,7 @@ def save_checkpoint(job: Job) -> None:
         extra["ahead_rollout"] = {"buffer": job.ahead_rollout[0], "stats": dict(job.ahead_rollout[1])}
     state = job.state
     if getattr(state, "base", None) is not None:
-        extra["lora_base_hash"] = tree_hash(state.base)
+        extra["lora_base_hash"] = lora_base_hash(job)
         state = state._replace(base=None)
     resume.save(job.cfg.output_dir, state, job.ref_params, job.cursor, run_flags.flag_values_dict(), block,
                 extra)
@@ -339,7 +347,7 @@ def restore(job: Job) -> None:
     r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
     state = r.state
     if getattr(job.state, "base", None) is not None:  # --lora_rank: the saved adapters on this run's (same) base
-        saved, now = r.extra.pop("lora_base_hash", None), tree_hash(job.state.base)
+        saved, now = r.extra.pop("lora_base_hash", None), lora_base_hash(job)
         if saved != now:
             raise resume.ResumeError(f"--resume: the base model (--hf_checkpoint={job.cfg.hf_checkpoint!r}, "
                                      f"--seed={job.cfg.seed}) hashes to {now[:12]}, not to the {str(saved)[:12]} "
