@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import ops
-from launch.engines import sglang_api, weight_group
+from launch.engines import openai_api, sglang_api, weight_group
 from launch.engines.base import Request
 from launch.engines.embedded import run_chunk
 from miles_fn.config import ModelConfig
@@ -61,7 +61,9 @@ class RolloutState:
         self.waiting: dict[int, list[str]] = {}  # waiting call id -> its request ids
         self.aborted: set[int] = set()  # waiting call ids to answer with an abort
         self.calls = 0
+        self.openai_calls = 0
         self.served_by = ""  # this server's URL, named in each reply's meta_info (a router does not say who served)
+        self.codec = openai_api.NO_TOKENIZER  # text <-> ids for /v1/* (--tokenizer-path)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Mark waiting calls that hold `rid` (or all) as aborted; how many. An unknown rid is a no-op, as in SGLang."""
@@ -222,6 +224,25 @@ class RolloutState:
         return {"success": True, "message": f"loaded {path} as weight_version {version}"}
 
 
+def openai_route(state: RolloutState, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """(status, reply) of an OpenAI-compatible endpoint (launch/engines/openai_api.py), 400s in OpenAI's shape."""
+    positions = state.cfg.max_position_embeddings
+    if path == "/v1/models":
+        return 200, openai_api.models(positions)
+    parse = {"/v1/completions": openai_api.completion_request, "/v1/chat/completions": openai_api.chat_request}
+    if path not in parse or method != "POST":
+        return 404, openai_api.error(f"path: no {method} endpoint {path}", 404)
+    try:
+        gen, plan = parse[path](body, state.codec, state.cfg.vocab_size, positions)
+        reply = state.generate(gen)
+    except ValueError as e:
+        return 400, openai_api.error(str(e))
+    with state.waiting_lock:
+        state.openai_calls += 1
+        rid = f"{'cmpl' if plan.kind == 'completion' else 'chatcmpl'}-{state.openai_calls}"
+    return 200, openai_api.response(plan, reply, state.codec, str(body.get("rid") or rid))
+
+
 class GroupFailure(Exception):
     """A weight-update group failed in transport (peer gone, timeout): answered with HTTP 500."""
 
@@ -334,6 +355,8 @@ def make_handler(state: RolloutState, read_timeout_s: float | None = 60.0) -> ty
                                             "weight_version": str(state.version), **sglang_api.ops_info(state.ops_cfg)})
                 if path in ("/get_weight_version", "/weight_version"):
                     return self._send(200, {"weight_version": str(state.version)})
+                if path.startswith("/v1/"):
+                    return self._send(*openai_route(state, method, path, body))
                 if method != "POST":
                     return self._send(404, {"error": f"no GET endpoint {path}"})
                 if path == "/generate":
@@ -408,6 +431,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-backend", default="auto", choices=ops.config.DECODE_BACKENDS,
                    help="decode steps without --enable-deterministic-inference: the trainer's --decode_backend")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="always on here: ids in, ids out")
+    p.add_argument("--tokenizer-path", default="", help="text for /v1/completions and /v1/chat/completions: a Hugging "
+                   "Face tokenizer directory or 'char' (miles_fn's character tokenizer); default: --model-path's "
+                   "tokenizer when it has one, else none (token-id prompts only)")
     p.add_argument("--weight-version", default="0", help="version of the weights at --model-path")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--watch-parent", action="store_true", help="exit when the parent process exits")
@@ -455,6 +481,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
                          args.debug_group_fault, ops_cfg, args.vocab_limit)
+    from launch import data
+
+    tok_path = args.tokenizer_path or (args.model_path if data.has_tokenizer(args.model_path) else "")
+    try:
+        state.codec = openai_api.load_codec(tok_path)
+    except data.DataError as e:
+        sys.exit(f"error: --tokenizer-path={tok_path}: {e}")
     server = RolloutHTTPServer((args.host, args.port), make_handler(state, args.read_timeout_s), args.listen_backlog)
     state.served_by = f"http://{args.host}:{server.server_address[1]}"
     print(f"rollout server listening on {state.served_by}", flush=True)
