@@ -129,10 +129,14 @@ def test_the_router_refuses_id_prompts_and_passes_input_ids(urls):
     _, (a, _), via_router = urls
     code, text = post(via_router, "/v1/completions", {"model": "m", "prompt": [1, 4, 5], "max_tokens": 3})
     assert code in (400, 422) and "prompt" in text
-    want = generate(a, [1, 4, 5], 5, 4)
+    code, text = post(via_router, "/v1/completions", {"model": "m", "prompt": "", "input_ids": [1, 4, 5],
+                                                      "seed": SEED, "max_tokens": 3})
+    assert code in (400, 422) and "seed" in text  # the router's seed is an i64
+    want = generate(a, [1, 4, 5], SEED, 4)
+    assert openai_api.signed_seed(SEED) < 0
     for _ in range(2):  # round robin: both servers
-        r = client(via_router).completions.create(model="m", prompt="", max_tokens=4, seed=5, logprobs=0,
-                                                  extra_body={"input_ids": [1, 4, 5]})
+        r = client(via_router).completions.create(model="m", prompt="", max_tokens=4, logprobs=0,
+                                                  seed=openai_api.signed_seed(SEED), extra_body={"input_ids": [1, 4, 5]})
         assert (r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs) == want
 
 
@@ -141,7 +145,8 @@ def test_the_router_refuses_id_prompts_and_passes_input_ids(urls):
     ({"prompt": [1, 2], "max_tokens": 95}, "max_tokens"),  # 2 + 95 > the 96 positions
     ({"prompt": [1, 2], "temperature": "hot"}, "temperature"),
     ({"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ({"prompt": [1, 2], "seed": -1}, "seed"),
+    ({"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": [1, 2], "seed": 2**64}, "seed"),
     ({"prompt": [1, 2], "seed": True}, "seed"),
     ({"prompt": [1, 99]}, "prompt[1]"),
     ({"prompt": []}, "prompt"),

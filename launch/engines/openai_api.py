@@ -15,7 +15,8 @@ bytes, top_logprobs}]}). Each choice also carries SGLang's extension fields `pro
 ids the engine sampled (token in, token out).
 
 Determinism: `seed` is the request key exactly as /generate's `sampling_seed` is (a 64-bit integer,
-default 0), so /v1/completions with seed s gives the tokens and log-probs of /generate with sampling_seed
+default 0; a negative seed s is the key s + 2**64, as sglang-router only passes signed 64-bit seeds), so
+/v1/completions with seed s gives the tokens and log-probs of /generate with sampling_seed
 s. Choice k > 0 of a call (prompt i, choice j: k = i * n + j) uses request_seed(prng.key(seed), k).
 
 SGLang extension fields accepted: top_k, stop_token_ids, ignore_eos, no_stop_trim, skip_special_tokens,
@@ -128,7 +129,7 @@ def _sampling(body: dict[str, Any], codec: Codec, vocab_size: int, max_tokens_fi
         raise ValueError(f"top_p: must be in (0, 1], got {show(top_p)}")
     top_k = strict_int(_field(body, "top_k", -1), "top_k", -1)
     n = strict_int(_field(body, "n", 1), "n", 1, 129)
-    seed = strict_int(_field(body, "seed", 0), "seed", 0, 2**64)
+    seed = strict_int(_field(body, "seed", 0), "seed", -(2**63), 2**64) % 2**64  # signed: its 64 bits (seed_bits)
     max_new = strict_int(_field(body, max_tokens_field, default_max), max_tokens_field, 1)
     stop_ids = token_ids(_field(body, "stop_token_ids", []), "stop_token_ids", vocab_size, allow_empty=True)
     ignore_eos = strict_bool(_field(body, "ignore_eos", False), "ignore_eos")
@@ -136,6 +137,12 @@ def _sampling(body: dict[str, Any], codec: Codec, vocab_size: int, max_tokens_fi
         stop_ids = [*stop_ids, codec.eos_id]
     return {"temperature": t, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new,
             "stop_token_ids": stop_ids}, n, seed
+
+
+def signed_seed(seed: int) -> int:
+    """A 64-bit key as the signed integer with the same bits: sglang-router parses `seed` as an i64 and answers
+    422 past 2**63 - 1, while the server reads a negative seed s as s + 2**64 (the same key)."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def choice_seeds(seed: int, count: int) -> list[int]:
