@@ -136,7 +136,8 @@ def test_the_router_refuses_id_prompts_and_passes_input_ids(urls):
     assert openai_api.signed_seed(SEED) < 0
     for _ in range(2):  # round robin: both servers
         r = client(via_router).completions.create(model="m", prompt="", max_tokens=4, logprobs=0,
-                                                  seed=openai_api.signed_seed(SEED), extra_body={"input_ids": [1, 4, 5]})
+                                                  seed=openai_api.signed_seed(SEED),
+                                                  extra_body={"input_ids": [1, 4, 5]})
         assert (r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs) == want
 
 
