@@ -91,7 +91,10 @@ class RolloutState:
                     if call in self.aborted:
                         return [sglang_api.abort_reply(len(p)) for p in prompts]
                     del self.waiting[call]
-                return self._run(prompts, seeds, sampling, probe)
+                reply = self._run(prompts, seeds, sampling, probe)
+            for item, r in zip(reply, rids):  # SGLang's meta_info.id: which request each output answers
+                item["meta_info"]["id"] = r
+            return reply
         finally:
             with self.waiting_lock:
                 self.waiting.pop(call, None)
