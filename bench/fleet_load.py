@@ -5,7 +5,8 @@
 N launch.rollout_server processes on loopback behind `sglang_router.launch_router` (round robin). Each
 client sends /generate calls of one request, each with its own rid and sampling_seed, back to back, for
 T seconds; a call that fails (connection cut, 5xx) is re-issued by the client with the same rid and seed.
-Two scenarios: undisturbed, and one engine SIGKILLed at T/2. Checked, and reported:
+Three scenarios: undisturbed; one engine SIGKILLed at T/2; the same with the router's own retries off
+(--disable-retries), so that the clients re-issue what the dead engine dropped. Checked, and reported:
   - every rid sent is answered exactly once, by a reply whose meta_info.id is that rid (none lost, none
     answered twice, none answered for another request);
   - a reply belongs to its seed: every re-issued request, and a sample of the others, is sent again straight
@@ -38,6 +39,10 @@ from state import hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 2
+# (name, when server 0 is killed as a fraction of T, extra router flags): the router retries a call a dead
+# worker dropped on another by itself; with --disable-retries the clients see the failures and re-issue.
+SCENARIOS = (("undisturbed", None, ()), ("one_engine_killed", 0.5, ()),
+             ("killed_no_router_retries", 0.5, ("--disable-retries",)))
 
 
 def body(rid: str, seed: int, prompt: list[int], max_new: int) -> dict[str, Any]:
@@ -147,8 +152,8 @@ def scenario(name: str, router_url: str, servers: list[ServerProcess], urls: lis
     }
 
 
-def start(n: int, workdir: str, cfg: ModelConfig, threads: int) -> tuple[list[ServerProcess], list[str],
-                                                                       ServerProcess, str]:
+def start(n: int, workdir: str, cfg: ModelConfig, threads: int, router_extra: tuple[str, ...] = ()
+          ) -> tuple[list[ServerProcess], list[str], ServerProcess, str]:
     ckpt = os.path.join(workdir, "ckpt")
     hf.save_hf(ckpt, cfg, model.init_params(cfg, prng.key(0), 0.3))
 
@@ -159,7 +164,7 @@ def start(n: int, workdir: str, cfg: ModelConfig, threads: int) -> tuple[list[Se
     servers = [ServerProcess(command, os.path.join(workdir, f"server_{i}.log"), 120, cwd=ROOT) for i in range(n)]
     with ThreadPoolExecutor(max_workers=n) as pool:
         urls = list(pool.map(lambda s: s.start(), servers))
-    rproc = ServerProcess(lambda port, first: router_command(port, urls, "round_robin"),
+    rproc = ServerProcess(lambda port, first: [*router_command(port, urls, "round_robin"), *router_extra],
                           os.path.join(workdir, "router.log"), 60, cwd=ROOT)
     router_url = rproc.start()
     Router(router_url, 10.0).wait_for(urls, 60)
@@ -183,11 +188,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=64)
     results = []
     with tempfile.TemporaryDirectory(prefix="fleet-load-") as d:
-        for name, kill_at in (("undisturbed", None), ("one_engine_killed", args.seconds / 2)):
-            servers, urls, rproc, router_url = start(args.engines, os.path.join(d, name), cfg, args.threads)
+        for name, kill_at, extra in SCENARIOS:
+            servers, urls, rproc, router_url = start(args.engines, os.path.join(d, name), cfg, args.threads, extra)
             try:
                 results.append(scenario(name, router_url, servers, urls, args.clients, args.seconds,
-                                        args.max_new_tokens, kill_at, cfg.vocab_size))
+                                        args.max_new_tokens, kill_at and kill_at * args.seconds,
+                                        cfg.vocab_size))
             finally:
                 for p in (*servers, rproc):
                     p.stop()
