@@ -6,6 +6,7 @@ DIR is a Hugging Face checkpoint (config.json + safetensors), as for `sglang.lau
 Endpoints and body shapes: launch/engines/sglang_api.py. Weights arrive by request body, from disk,
 or over a torch.distributed group the trainer hosts (/init_weights_update_group, then
 /update_weights_from_distributed while the trainer broadcasts; gloo here, as the server is CPU-only).
+The OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models: launch/engines/openai_api.py.
 Each /generate call runs as one batch (calls run one at a time), so a client that sends the same
 chunks gets the same bits as the in-process engine. Only stdlib http.server: no web framework, and no pickle anywhere.
 """
@@ -433,7 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --enable-deterministic-inference: the trainer's --invariant_kv_block")
     p.add_argument("--decode-backend", default="auto", choices=ops.config.DECODE_BACKENDS,
                    help="decode steps without --enable-deterministic-inference: the trainer's --decode_backend")
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="always on here: ids in, ids out")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="accepted (SGLang compatibility): /generate "
+                   "is ids in, ids out; text only on /v1/* with a tokenizer (--tokenizer-path)")
     p.add_argument("--tokenizer-path", default="", help="text for /v1/completions and /v1/chat/completions: a Hugging "
                    "Face tokenizer directory or 'char' (miles_fn's character tokenizer); default: --model-path's "
                    "tokenizer when it has one, else none (token-id prompts only)")
