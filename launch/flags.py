@@ -20,6 +20,8 @@ from launch.profiling import parse_profile_steps
 from launch.rl import RolloutShaping
 from miles_fn.advantages import ESTIMATORS
 from miles_fn.config import ModelConfig
+from miles_fn.draft import ALGORITHMS as SPEC_ALGORITHMS
+from miles_fn.draft import SpeculativeConfig
 from miles_fn.lora import ALL_TARGETS as ALL_LORA_TARGETS
 from miles_fn.lora import LoraConfig, parse_targets
 from miles_fn.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
@@ -256,6 +258,34 @@ flags.DEFINE_string("debug_block_at", "", "Debug: block forever at POINT:STEP, P
                     "(before the update of that 1-based step) or checkpoint_write (of the checkpoint of that "
                     "state step), so that a test can kill the job there.")
 
+# == Speculative decoding: a draft LM trained online, samples identical to plain decoding (miles_fn/speculative.py)
+flags.DEFINE_enum("speculative_algorithm", "none", list(SPEC_ALGORITHMS), "STANDALONE: a small separate draft LM "
+                  "proposes --speculative_num_steps tokens greedily, one target forward verifies them; every token "
+                  "is still the target's own sample from its own key (bitwise plain decoding with "
+                  "--true_on_policy). Embedded engine only for now.")
+flags.DEFINE_integer("speculative_num_steps", 3, "Draft tokens proposed per verify forward (k).", lower_bound=1)
+flags.DEFINE_string("draft_checkpoint", "", "Hugging Face directory of a small LM with the target's vocabulary to "
+                    "start the draft from (empty = a random draft of --draft_hidden_size x --draft_num_layers).")
+flags.DEFINE_integer("draft_hidden_size", 64, "A random draft's hidden size.", lower_bound=2)
+flags.DEFINE_integer("draft_num_layers", 1, "A random draft's decoder layers.", lower_bound=1)
+flags.DEFINE_integer("draft_train_steps", 1, "AdamW steps of the draft per RL step on that step's rollouts "
+                     "(soft cross-entropy to the updated policy).", lower_bound=0)
+flags.DEFINE_float("draft_lr", 3e-3, "The draft's AdamW learning rate.", lower_bound=0.0)
+flags.DEFINE_boolean("freeze_draft", False, "Keep the start-of-run draft (no online training), for comparison.")
+flags.register_multi_flags_validator(
+    ["speculative_algorithm", "rollout_backend"],
+    lambda v: v["speculative_algorithm"] == "none" or v["rollout_backend"] == "embedded",
+    "--speculative_algorithm=STANDALONE runs in the embedded engine only: --rollout_backend=http (the rollout "
+    "server) and --rollout_backend=sglang do not carry the draft's weights yet; use --rollout_backend=embedded",
+)
+flags.register_multi_flags_validator(
+    ["speculative_algorithm", "lora_rank", "advantage_estimator", "offload_train_state"],
+    lambda v: v["speculative_algorithm"] == "none" or (v["lora_rank"] == 0 and v["advantage_estimator"] != "gae"
+                                                      and not v["offload_train_state"]),
+    "--speculative_algorithm=STANDALONE does not combine with --lora_rank, --advantage_estimator=gae or "
+    "--offload_train_state yet (the draft's state wraps a plain TrainState); turn those off or speculation off",
+)
+
 # == Validation: flag combinations and values that no single bound expresses
 flags.register_multi_flags_validator(
     ["memory_margin_gb", "pack_row_len", "max_tokens_per_micro_batch"],
@@ -435,6 +465,7 @@ class RunConfig:
     task: str = "addition"  # --task: the built-in task (chat_arith also reads task_second_digits, task_ops)
     task_second_digits: int = 0
     task_ops: str = "+"
+    speculative: SpeculativeConfig = SpeculativeConfig()  # --speculative_algorithm: a draft LM in the engine
 
 
 def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default_max_new: int,
@@ -558,6 +589,9 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         task=f.task,
         task_second_digits=f.task_second_digits,
         task_ops=f.task_ops,
+        speculative=SpeculativeConfig(f.speculative_algorithm, f.speculative_num_steps, f.draft_checkpoint,
+                                      f.draft_hidden_size, f.draft_num_layers, f.draft_train_steps, f.draft_lr,
+                                      f.freeze_draft),
     )
 
 
@@ -641,6 +675,7 @@ SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("True on-policy and kernels", ("true_on_policy",)),
     ("Loop modes", ("debug_rollout_only", "debug_train_only")),
     ("Debugging and replay", ("snapshot_steps", "profile_steps")),
+    ("Speculative decoding", ("speculative_algorithm", "speculative_num_steps", "draft_checkpoint")),
 )
 
 

@@ -26,6 +26,7 @@ from launch import flags as run_flags
 from launch import memory as launch_memory
 from launch import rollout as rollout_lib
 from launch import sft as sft_data
+from launch import speculative as spec_launch
 from launch.engines import Engine, EngineError, make_engine
 from launch.engines.base import generate_batch
 from launch.evaluation import sampled_pass_at_k
@@ -147,6 +148,7 @@ def build(cfg: run_flags.RunConfig) -> Job:
         engine = make_engine(cfg.rollout, cfg.model, lora.model_params(state, cfg.lora), cfg.output_dir,
                              cfg.num_threads, ops_cfg=cfg.ops,
                              vocab_limit=cfg.sampling.vocab_limit)
+        engine = spec_launch.engine_for(cfg, engine)  # --speculative_algorithm: the embedded engine with a draft
     pool = partial.Pool() if cfg.modes.partial_rollouts else None
     eval_set = None
     if cfg.rollout.eval_data:
@@ -360,6 +362,7 @@ def restore(job: Job) -> None:
     if "ahead_rollout" in r.extra:
         job.ahead_rollout = (r.extra["ahead_rollout"]["buffer"], r.extra["ahead_rollout"]["stats"])
     job.engine.update_weights(int(job.state.step), model_params(job))
+    spec_launch.sync(job)
     sys.stderr.write(f"resumed from {r.path}: {job.cursor.sft_step} SFT and {job.cursor.rl_step} RL steps done\n")
 
 
@@ -409,6 +412,7 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
                                                          else summary["eval_success_init"])
         job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None  # under --lora_rank: the adapters
         job.state = rl.attach_critic(cfg, job.state)  # PPO: a value model from the warmed-up trunk
+        spec_launch.attach(job)  # --speculative_algorithm: the draft joins the state and the engine
         if cfg.save_every and cfg.sft_warmup_steps:
             save_checkpoint(job)
     last_eval = cur.last_eval
@@ -452,7 +456,9 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
                 job.ahead_rollout = ahead[0].result()
             with timer("weight_sync"):
                 job.engine.update_weights(int(job.state.step), model_params(job))
+                spec_launch.sync(job)
             metrics = to_floats({**stats, **metrics})
+        metrics.update(spec_launch.take_metrics(job))  # the step's rollout: acceptance, tokens/s
         cur.rl_step = step + 1
         profiler.end(step + 1)
         metrics.update(timer.metrics())
@@ -461,6 +467,7 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
             metrics["eval_success"] = last_eval = cur.last_eval = evaluate(job)
             if cfg.rollout.eval_pass_k:
                 metrics.update(eval_pass_at_k(job))
+            spec_launch.take_metrics(job)  # the evaluation's decoding is no rollout: its counts are dropped
         writer.write(step + 1, metrics)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and not rollout_only:
             save_checkpoint(job)

@@ -36,9 +36,9 @@ def make_step_fn(cfg: RunConfig, phase: str) -> StepFn:
     """RL: the GRPO loss under the memory flags (micro-batching, recompute); SFT: the plain supervised step.
     Under --lora_rank both differentiate the loss of the merged weights in the adapters (lora.loss_for)."""
     if phase == "rl":  # the default is make_grpo_loss under launch.memory; launch.rl picks by the objective flags
-        from launch import rl
+        from launch import rl, speculative
 
-        return rl.make_update(cfg)
+        return speculative.wrap_update(cfg, rl.make_update(cfg))  # --speculative_algorithm: + the draft's step
     if phase == "sft":
         loss_fn = train.make_sft_loss(cfg.model, cfg.ops)
         return lambda state, batch, key: train.train_step(state, batch, key, lora.loss_for(loss_fn, state, cfg.lora),

@@ -31,6 +31,7 @@ _NAMEDTUPLES: dict[str, type] = {
     "AdamWState": train_state.AdamWState,
     "RolloutBuffer": train_state.RolloutBuffer,
     "ActorCriticState": train_state.ActorCriticState,
+    "SpeculativeState": train_state.SpeculativeState,
 }
 
 

@@ -80,3 +80,27 @@ class ActorCriticState(NamedTuple):
 def replace(state: NamedTuple, **changes: Any) -> Any:
     """A copy of a NamedTuple state with some fields changed (the original is untouched)."""
     return state._replace(**changes)
+
+
+class SpeculativeState(NamedTuple):
+    """A run's state with a speculative draft (miles_fn/draft.py): the policy's state as it would be
+    without one, and the draft LM's own TrainState (params, AdamW moments, step, key).
+
+    One pytree, so checkpoints, hashes, snapshots and replay cover the draft. `params`, `step` and `key`
+    are the policy's, so the shell reads it as it reads a TrainState.
+    """
+
+    inner: Any  # TrainState
+    draft: TrainState
+
+    @property
+    def params(self) -> Any:
+        return self.inner.params
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.inner.step
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.inner.key

@@ -1,0 +1,150 @@
+"""The shell side of speculative decoding (--speculative_algorithm=STANDALONE): the draft's start, the engine
+that speculates, the draft's weight sync and the per-step metrics.
+
+The math lives in miles_fn/speculative.py (decoding) and miles_fn/draft.py (online training); the state is
+state.train_state.SpeculativeState, so checkpoints, resume, snapshots and replay carry the draft as they carry
+the policy. Only the embedded engine speculates (launch/flags.py refuses the others by name).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ops
+from launch.engines.base import Request, Sample, chunked, seed_keys
+from launch.engines.embedded import EmbeddedEngine
+from miles_fn import draft, model, optim, prng, train
+from miles_fn.config import ModelConfig
+from miles_fn.sampling import SamplingConfig
+from miles_fn.speculative import SpecStats, check_draft, generate_speculative_rows
+from state.train_state import SpeculativeState
+
+DRAFT_STREAM = 0xD2AF  # the random draft's init: fold_in(root, DRAFT_STREAM); fixed forever
+
+
+def draft_model(spec: draft.SpeculativeConfig, target: ModelConfig, root: prng.Key) -> tuple[ModelConfig, Any]:
+    """The start-of-run draft: --draft_checkpoint's LM, or a random one of the draft shape flags."""
+    if spec.draft_checkpoint:
+        from state import hf
+
+        try:
+            dcfg, params = hf.load_hf(spec.draft_checkpoint)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"--draft_checkpoint={spec.draft_checkpoint}: {type(e).__name__}: {e}") from e
+    else:
+        dcfg = draft.random_draft_config(spec, target)
+        params = model.init_params(dcfg, prng.fold_in(root, DRAFT_STREAM))
+    try:
+        check_draft(target, dcfg, spec.num_steps)
+    except ValueError as e:
+        raise ValueError(f"--draft_checkpoint={spec.draft_checkpoint!r}: {e}") from e
+    return dcfg, params
+
+
+def draft_config(spec: draft.SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft's ModelConfig without its weights (what the update and replay need)."""
+    if spec.draft_checkpoint:
+        import json
+        import os
+
+        from miles_fn.config import from_hf_dict
+
+        with open(os.path.join(spec.draft_checkpoint, "config.json")) as f:
+            return from_hf_dict(json.load(f))
+    return draft.random_draft_config(spec, target)
+
+
+def draft_optim(spec: draft.SpeculativeConfig) -> optim.OptimConfig:
+    return optim.OptimConfig(lr=spec.draft_lr, max_grad_norm=1.0)
+
+
+def wrap_update(cfg: Any, update: Any) -> Any:
+    """launch.rl.make_update's update, with the draft's online step after it when speculation is on."""
+    spec = cfg.speculative
+    if not spec.enabled:
+        return update
+    dcfg = draft_config(spec, cfg.model)
+    spec_update = draft.with_draft(update, cfg.model, dcfg, draft_optim(spec), spec.train_steps,
+                                   cfg.sampling.logprob_temperature, cfg.ops)
+
+    def step(state: Any, buf: Any, key: prng.Key):
+        if not isinstance(state, SpeculativeState):  # before the draft is attached (nothing else runs RL then)
+            return update(state, buf, key)
+        return spec_update(state, buf, key)
+
+    return step
+
+
+def attach(job: Any) -> None:
+    """After the SFT warm-up: the run's state gains the draft (SpeculativeState), and the engine its weights."""
+    spec = job.cfg.speculative
+    if not spec.enabled or isinstance(job.state, SpeculativeState):
+        return
+    _, params = draft_model(spec, job.cfg.model, job.state.key)
+    job.state = SpeculativeState(job.state, train.init_state(params, prng.fold_in(job.state.key, DRAFT_STREAM)))
+    sync(job)
+
+
+def sync(job: Any) -> None:
+    """Ship the draft's current weights to a speculating engine (after each weight sync and on --resume)."""
+    if isinstance(job.state, SpeculativeState) and isinstance(job.engine, SpeculativeEngine):
+        job.engine.update_draft(job.state.draft.params)
+
+
+def engine_for(cfg: Any, engine: Any) -> Any:
+    """The embedded engine, speculating once it has a draft; other engines as they are."""
+    if not cfg.speculative.enabled or not isinstance(engine, EmbeddedEngine):
+        return engine
+    return SpeculativeEngine(engine.cfg, engine.params, engine.version, engine.batch_size, engine.ops_cfg,
+                             draft_config(cfg.speculative, engine.cfg), cfg.speculative.num_steps)
+
+
+class SpeculativeEngine(EmbeddedEngine):
+    """The embedded engine with a draft: the same samples (miles_fn.speculative), sooner when the draft agrees.
+
+    Until update_draft gives it weights it decodes plainly. take_stats returns the acceptance counts and the
+    rollout tokens/s since the last call, for the step's metrics.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Any, version: int, batch_size: int, ops_cfg: ops.OpsConfig,
+                 draft_cfg: ModelConfig, num_steps: int):
+        super().__init__(cfg, params, version, batch_size, ops_cfg)
+        self.draft_cfg, self.num_steps, self.draft_params = draft_cfg, num_steps, None
+        self._stats, self._tokens, self._seconds = SpecStats(), 0, 0.0
+
+    def update_draft(self, params: Any) -> None:
+        self.draft_params = params
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
+        if self.draft_params is None:
+            return super().generate(requests, sampling)
+        t0, out = time.perf_counter(), []
+        for chunk in chunked(requests, self.batch_size):
+            gen, st = generate_speculative_rows(self.params, self.cfg, self.draft_params, self.draft_cfg,
+                                                [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]),
+                                                sampling, self.num_steps, ops_cfg=self.ops_cfg)
+            self._stats = self._stats.add(st)
+            out.extend(Sample(t, lp, f, self.version)
+                       for t, lp, f in zip(gen.tokens, gen.logprobs, gen.finish_reasons, strict=True))
+        self._seconds += time.perf_counter() - t0
+        self._tokens += sum(len(s.tokens) for s in out)
+        return out
+
+    def take_stats(self) -> dict[str, float]:
+        """spec_accept_length (tokens per verify), spec_accept_rate, spec_accept_pos_j; and
+        time_rollout_tokens_per_s (wall clock, so it goes to timings.jsonl)."""
+        st, out = self._stats, {}
+        if st.verifies:
+            out = {"spec_accept_length": st.tokens_per_verify, "spec_accept_rate": st.accept_rate,
+                   **{f"spec_accept_pos_{j + 1}": a for j, a in enumerate(st.accept_by_position)}}
+        if self._seconds > 0:
+            out["time_rollout_tokens_per_s"] = self._tokens / self._seconds
+        self._stats, self._tokens, self._seconds = SpecStats(), 0, 0.0
+        return out
+
+
+def take_metrics(job: Any) -> dict[str, float]:
+    """The engine's speculation metrics since the last call ({} without a speculating engine)."""
+    return job.engine.take_stats() if isinstance(job.engine, SpeculativeEngine) else {}

@@ -1,0 +1,295 @@
+"""Speculative decoding that returns exactly what plain decoding returns for the same keys.
+
+Plain decoding (miles_fn.generate) samples row r's token t by the inverse CDF of one uniform
+u[r, t] = uniform64(fold_in(row_key[r], t)). Here a small draft LM proposes k tokens greedily, the
+target scores [pending, d_1..d_k] in one forward of k+1 tokens on its KV cache, and at each position
+j the target's own inverse-CDF sample s_j from the same uniform u[r, n + j] is computed. Draft token
+d_{j+1} is accepted exactly when s_j == d_{j+1}; at the first disagreement s_j is kept and the round
+stops (after k acceptances s_k is the bonus token). Every emitted token is therefore the target's
+sample at its position from its own uniform, given a prefix that is itself the target's samples: the
+plain sampler's output token for token. Its log-prob is the target's, from the verify forward (never
+the draft's). Under ops.INVARIANT a row's logits do not depend on how many tokens a forward carries
+or on masked cache columns, so tokens and log-probs equal plain decoding's bit for bit; with the
+reference ops they agree to float rounding (and the tokens are the same unless a uniform falls within
+rounding of a CDF step).
+
+For a deterministic draft this is the maximal coupling of the draft's point mass with the target's
+sampler: P(accept) = p(d), the acceptance of rejection sampling (Leviathan et al.) for a greedy draft.
+
+The cache: each round writes k+1 columns to both caches; the rejected drafts' columns are marked
+invalid in the row's key mask ("rolled back" per row without moving memory), so rows accept
+different counts and finish independently (stop token, max_new_tokens) in one batch. The draft runs
+on the torch forward; so does the verify (the C decode kernel, ops.decode_cpu, does one-token steps
+only): with decode_backend="auto" plain generate may use that kernel, which rounds differently from
+the torch forward, so compare against decode_backend="torch" for rounding-level agreement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+import ops
+from miles_fn import model, prng
+from miles_fn.batching import place_rows
+from miles_fn.config import ModelConfig
+from miles_fn.generate import Generation
+from miles_fn.sampling import SamplingConfig, sample_with_uniform
+
+# The draft's numbers only decide what is proposed, never what is emitted: the fast reference ops.
+DRAFT_OPS = ops.OpsConfig(decode_backend="torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """Counts over (row, verify forward) pairs of live rows; `add` sums two calls' counts."""
+
+    verifies: int = 0  # live rows summed over verify forwards
+    emitted: int = 0  # tokens those verifies emitted (each row's first token comes from the prefill)
+    accepted_at: tuple[int, ...] = ()  # [k]: verifies whose drafts 1..j+1 all matched the target's samples
+
+    def add(self, other: SpecStats) -> SpecStats:
+        if not self.accepted_at:
+            return other
+        if not other.accepted_at:
+            return self
+        if len(self.accepted_at) != len(other.accepted_at):
+            raise ValueError(f"SpecStats.add: k differs ({len(self.accepted_at)} vs {len(other.accepted_at)})")
+        return SpecStats(self.verifies + other.verifies, self.emitted + other.emitted,
+                         tuple(a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)))
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Mean accepted length: tokens emitted per verify forward (1 = nothing accepted, k+1 at most)."""
+        return self.emitted / self.verifies if self.verifies else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted drafts / proposed drafts (SGLang's and Miles' spec_accept_rate)."""
+        k = len(self.accepted_at)
+        return sum(self.accepted_at) / (self.verifies * k) if self.verifies and k else 0.0
+
+    @property
+    def accept_by_position(self) -> tuple[float, ...]:
+        """P(draft j accepted | drafts before it accepted), j = 1..k."""
+        reached = (self.verifies, *self.accepted_at[:-1])
+        return tuple(a / r if r else 0.0 for a, r in zip(self.accepted_at, reached, strict=True))
+
+
+def generate_speculative(
+    params: model.Params,
+    cfg: ModelConfig,
+    draft_params: model.Params,
+    draft_cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    key: prng.Key,
+    sampling: SamplingConfig,
+    num_steps: int,
+    request_ids: Sequence[int] | None = None,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
+) -> tuple[Generation, SpecStats]:
+    """generate(params, cfg, prompts, key, sampling, request_ids) with a draft proposing num_steps tokens
+    a verify: the same Generation (see the module docstring), and the acceptance counts."""
+    ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
+    return generate_speculative_rows(params, cfg, draft_params, draft_cfg, prompts, prng.fold_in(key, ids),
+                                     sampling, num_steps, ops_cfg=ops_cfg, draft_ops_cfg=draft_ops_cfg)
+
+
+def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, num_steps: int) -> None:
+    """Refuse a draft that cannot propose the target's tokens, naming the fix."""
+    if num_steps < 1:
+        raise ValueError(f"speculative decoding: num_steps (--speculative_num_steps) must be >= 1, got {num_steps}")
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"speculative decoding: the draft's vocab_size {draft_cfg.vocab_size} differs from the "
+                         f"target's {cfg.vocab_size}; the draft must share the target's tokenizer and vocabulary "
+                         "(--draft_checkpoint of the same model family, or a random draft from --draft_hidden_size)")
+
+
+def _prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], prompt_tok: torch.Tensor,
+             positions: torch.Tensor, key_valid: torch.Tensor, width: int, oc: ops.OpsConfig
+             ) -> tuple[torch.Tensor, model.KVCache]:
+    """Last-column logits [B, V] and a cache of `width` columns holding the left-padded prompts.
+
+    Each distinct prompt runs once (a GRPO batch repeats each prompt group-size times), as in generate.
+    """
+    b, lp = prompt_tok.shape
+    row_of: list[int] = []
+    first: dict[tuple[int, ...], int] = {}
+    src: list[int] = []
+    for i, p in enumerate(prompts):
+        row_of.append(first.setdefault(tuple(p), len(first)))
+        if row_of[-1] == len(src):
+            src.append(i)
+    causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
+    mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
+    cache = model.new_kv_cache(cfg, b, width, params["embed"].dtype)
+    if len(src) == b:
+        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=oc)[:, -1]
+        return logits, cache
+    rows, s_idx = torch.tensor(row_of, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
+    pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
+    logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0, ops_cfg=oc)
+    for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
+        ck[:, :, :lp] = pk[rows]
+        cv[:, :, :lp] = pv[rows]
+    return logits[:, -1][rows], cache
+
+
+def _sample(logits: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig, oc: ops.OpsConfig
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain engine's per-step sampler and log-prob, call for call (generate_rows' loop body)."""
+    tok, lps = sample_with_uniform(logits, u, sampling)
+    if oc.invariant:
+        lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, oc)
+    return tok, lps
+
+
+def _greedy(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The draft's proposal: its argmax over the ids the target may sample (vocab_limit)."""
+    if sampling.limits(logits.shape[-1]):
+        logits = logits[..., : sampling.vocab_limit]
+    return torch.argmax(logits, dim=-1)
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig,
+           oc: ops.OpsConfig = ops.REFERENCE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lossless rule on one verify forward's logits [B, k+1, V], drafts [B, k], uniforms [B, k+1].
+
+    Returns the target's own samples s [B, k+1] (column j from u[:, j], by the plain sampler), their
+    log-probs [B, k+1], and the accepted count a [B]: the longest run with s[:, j] == drafts[:, j]. The
+    row emits s[:, :a+1]: the accepted drafts (equal to the target's samples) and the target's sample
+    at the first disagreement (or the bonus after k acceptances).
+    """
+    k = drafts.shape[1]
+    samples, lps = [], []
+    for j in range(k + 1):  # one [B, V] call a column, the shape the plain engine's step samples
+        s, lp = _sample(logits[:, j].contiguous(), None if u is None else u[:, j].contiguous(), sampling, oc)
+        samples.append(s)
+        lps.append(lp)
+    s = torch.stack(samples, 1)
+    a = torch.cumprod((s[:, :k] == drafts).to(torch.int64), 1).sum(1)
+    return s, torch.stack(lps, 1), a
+
+
+@torch.no_grad()
+def generate_speculative_rows(
+    params: model.Params,
+    cfg: ModelConfig,
+    draft_params: model.Params,
+    draft_cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    row_keys: prng.Key,
+    sampling: SamplingConfig,
+    num_steps: int,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
+) -> tuple[Generation, SpecStats]:
+    """generate_rows (one key per request, [B, 2]) with speculative rounds of num_steps draft tokens."""
+    check_draft(cfg, draft_cfg, num_steps)
+    k = num_steps
+    b = len(prompts)
+    if b == 0:
+        return Generation([], [], []), SpecStats(0, 0, (0,) * k)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_speculative: every prompt needs at least one token")
+    if tuple(row_keys.shape) != (b, 2):
+        raise ValueError(f"generate_speculative: row_keys must have shape [{b}, 2], got {tuple(row_keys.shape)}")
+    lens = torch.tensor([len(p) for p in prompts])
+    lp, n_new = int(lens.max()), sampling.max_new_tokens
+    if lp + n_new > cfg.max_position_embeddings:
+        raise ValueError(f"generate_speculative: prompt length {lp} + max_new_tokens {n_new} exceeds "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    # Every live row emits >= 1 token a round after the prefill's first: at most n_new - 1 rounds of k+1 columns.
+    width = lp + (n_new - 1) * (k + 1)
+    prompt_tok = place_rows(prompts, lp - lens, lp)
+    valid_t = torch.zeros(b, width, dtype=torch.bool)
+    valid_t[:, :lp] = torch.arange(lp)[None] >= (lp - lens)[:, None]
+    valid_d = valid_t.clone()
+    positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
+    logits, cache_t = _prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg)
+    _, cache_d = _prefill(draft_params, draft_cfg, prompts, prompt_tok, positions, valid_d, width, draft_ops_cfg)
+
+    # The plain engine's uniforms, the same call; k+1 spare rows for the verify columns past max_new_tokens.
+    u = None
+    if sampling.temperature > 0:
+        u = prng.uniform64(prng.fold_in(row_keys[None], torch.arange(n_new)[:, None]))  # [n_new, B]
+        u = torch.cat([u, torch.zeros(k + 1, b, dtype=u.dtype)])
+    stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.int64)
+    rows = torch.arange(b)
+    span = torch.arange(k + 1)
+    out_tok = torch.zeros(b, n_new + k + 1, dtype=torch.int64)
+    out_lp = torch.zeros(b, n_new + k + 1, dtype=torch.float32)
+
+    tok, lps = _sample(logits, None if u is None else u[0], sampling, ops_cfg)
+    out_tok[:, 0], out_lp[:, 0] = tok, lps
+    n = torch.ones(b, dtype=torch.int64)  # tokens emitted per row
+    done = torch.isin(tok, stop) | (n >= n_new)
+    pending = tok  # the last emitted token: in neither cache yet
+    prev = prompt_tok[:, -1]  # the token before it, for the draft: already in its cache after the prefill...
+    prev_valid = torch.zeros(b, dtype=torch.bool)  # ...unless the previous round accepted all k drafts
+    verifies, emitted, accepted_at = 0, 0, torch.zeros(k, dtype=torch.int64)
+    col = lp
+    causal_blk = torch.tril(torch.ones(k + 1, k + 1, dtype=torch.bool))
+    while not bool(done.all()):
+        live = ~done
+        pos = lens + n - 1  # pending's position
+        # Draft: [prev, pending] at columns col, col+1, then d_1..d_{k-1} one a step at col+2 .. col+k.
+        valid_d[:, col] = prev_valid
+        valid_d[:, col + 1 : col + k + 1] = True  # tentative: a query only sees the columns before it
+        m2 = valid_d[:, None, : col + 2].repeat(1, 2, 1)
+        m2[:, 0, col], m2[:, 0, col + 1] = True, False
+        dl = model.forward(draft_params, draft_cfg, torch.stack([prev, pending], 1),
+                           torch.stack([pos - 1, pos], 1).clamp(min=0), m2, cache_d, col, ops_cfg=draft_ops_cfg)
+        drafts = [_greedy(dl[:, -1], sampling)]
+        for j in range(1, k):
+            dl = model.forward(draft_params, draft_cfg, drafts[-1][:, None], (pos + j)[:, None],
+                               valid_d[:, None, : col + j + 2], cache_d, col + j + 1, ops_cfg=draft_ops_cfg)
+            drafts.append(_greedy(dl[:, -1], sampling))
+        d = torch.stack(drafts, 1)  # [B, k]
+
+        # Verify: [pending, d_1..d_k] at columns col..col+k, causal within the block.
+        mask = torch.cat([valid_t[:, None, :col].expand(b, k + 1, col), causal_blk[None].expand(b, k + 1, k + 1)], -1)
+        z = model.forward(params, cfg, torch.cat([pending[:, None], d], 1), pos[:, None] + span[None], mask,
+                          cache_t, col, ops_cfg=ops_cfg)
+        idx = n[:, None] + span[None]  # [B, k+1]: the emitted index each verify column would take
+        s, slp, a = verify(z, d, None if u is None else u[idx, rows[:, None]], sampling, ops_cfg)
+        m = torch.minimum(a + 1, n_new - n)  # tokens this round emits: s_0 .. s_a, capped
+        hit = torch.isin(s, stop) & (span[None] < m[:, None])
+        if sampling.stop_token_ids:
+            first_stop = torch.where(hit, span[None], k + 1).amin(1)
+            m = torch.minimum(m, first_stop + 1)
+        m = torch.where(live, m, 0)
+        # Rows past their window are overwritten by their next round or cut by n below.
+        out_tok.scatter_(1, idx, s)
+        out_lp.scatter_(1, idx, slp)
+        verifies += int(live.sum())
+        emitted += int(m.sum())
+        accepted_at += ((a[:, None] > torch.arange(k)[None]) & live[:, None]).sum(0)
+
+        # Keep the columns of pending and the accepted drafts; the rest are invalid from now on.
+        valid_t[:, col : col + k + 1] = (span[None] <= a[:, None]) & live[:, None]
+        valid_d[:, col] &= live
+        valid_d[:, col + 1] = live
+        valid_d[:, col + 2 : col + k + 1] = (torch.arange(1, k)[None] <= a[:, None]) & live[:, None]
+        pending = torch.where(live, s[rows, a], pending)
+        prev, prev_valid = d[:, k - 1], live & (a == k)  # d_k never went through the draft
+        n = n + m
+        done = done | (n >= n_new) | (hit.any(1) & live)
+        col += k + 1
+
+    gen = _generation(out_tok, out_lp, n, sampling)
+    return gen, SpecStats(verifies, emitted, tuple(int(x) for x in accepted_at.tolist()))
+
+
+def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig
+                ) -> Generation:
+    counts, all_tok, all_lp = n_out.tolist(), out_tok.tolist(), out_lp.tolist()
+    tokens = [row[:c] for row, c in zip(all_tok, counts, strict=True)]
+    logprobs = [row[:c] for row, c in zip(all_lp, counts, strict=True)]
+    stops = set(sampling.stop_token_ids)
+    return Generation(tokens, logprobs, ["stop" if t and t[-1] in stops else "length" for t in tokens])
