@@ -63,6 +63,8 @@ def buffer_routes(routed: list[torch.Tensor], width: int, layers: int, k: int) -
     tensor aligned with the buffer's columns (column t = the token at t), -1 padded."""
     out = torch.full((len(routed), width, layers, k), -1, dtype=torch.int32)
     for i, r in enumerate(routed):
+        if r.numel() == 0:
+            continue
         if r.shape[1:] != (layers, k):
             raise ValueError(f"routed_experts of sample {i}: shape {tuple(r.shape)}, expected [tokens, {layers}, {k}]")
         n = min(r.shape[0], width)
