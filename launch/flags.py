@@ -668,6 +668,7 @@ SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("True on-policy and kernels", ("true_on_policy",)),
     ("Loop modes", ("debug_rollout_only", "debug_train_only")),
     ("Debugging and replay", ("snapshot_steps", "profile_steps")),
+    ("MoE and rollout routing replay", ("num_experts", "num_experts_per_tok", "routing_replay")),
 )
 
 
