@@ -47,6 +47,8 @@ def experts(x: torch.Tensor, used: torch.Tensor, weights: torch.Tensor, p: dict[
             oc: ops.OpsConfig) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{used[:, j]}(x) for x [N, H]: tokens grouped by expert, one GEMM each."""
     n, k = used.shape
+    if n == 0:
+        return x.new_zeros(x.shape)
     flat = used.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, in token order within one
     counts = torch.bincount(flat, minlength=p["router"].shape[0]).tolist()
