@@ -56,7 +56,8 @@ flags.DEFINE_integer("intermediate_size", 384, "MLP size of a randomly initialis
 flags.DEFINE_integer("num_layers", 2, "Layers of a randomly initialised model.", lower_bound=1)
 flags.DEFINE_integer("num_heads", 4, "Attention heads of a randomly initialised model.", lower_bound=1)
 flags.DEFINE_integer("num_kv_heads", 2, "Key/value heads of a randomly initialised model.", lower_bound=1)
-flags.DEFINE_enum("model_type", "qwen2", ["qwen2", "llama"], "Architecture of a randomly initialised model.")
+flags.DEFINE_enum("model_type", "qwen2", ["qwen2", "llama", "qwen3", "qwen3_moe"],
+                  "Architecture of a randomly initialised model (qwen3_moe: see the MoE section).")
 flags.DEFINE_float("init_std", 0.02, "Std of the random init.", lower_bound=0.0)
 
 # == Task and data: what is prompted and how it is scored (launch/data.py, launch/plugins.py)
@@ -286,6 +287,32 @@ flags.register_multi_flags_validator(
     "--offload_train_state yet (the draft's state wraps a plain TrainState); turn those off or speculation off",
 )
 
+# == MoE and rollout routing replay: a random Qwen3-MoE's experts, R3 (miles_fn/moe.py, miles_fn/routing.py)
+flags.DEFINE_integer("num_experts", 8, "--model_type=qwen3_moe: experts per MoE layer.", lower_bound=1)
+flags.DEFINE_integer("num_experts_per_tok", 2, "--model_type=qwen3_moe: experts each token is routed to (top-k).",
+                     lower_bound=1)
+flags.DEFINE_integer("moe_intermediate_size", 96, "--model_type=qwen3_moe: each expert's MLP size.", lower_bound=1)
+flags.DEFINE_float("router_aux_loss_coef", 0.001, "--model_type=qwen3_moe: weight of the router's load-balancing "
+                   "loss in the policy loss (a checkpoint's config.json value wins).", lower_bound=0.0)
+flags.DEFINE_boolean("routing_replay", False, "R3: the trainer's MoE layers run the experts the engine recorded, "
+                     "gated by the trainer's own router probabilities. MoE models only; not with packing "
+                     "(--max_tokens_per_micro_batch), --shared_prefix, --partial_rollouts or --recompute.")
+flags.register_multi_flags_validator(
+    ["routing_replay", "model_type", "hf_checkpoint"],
+    lambda v: not v["routing_replay"] or v["model_type"] == "qwen3_moe" or bool(v["hf_checkpoint"]),
+    "--routing_replay needs a MoE model: --model_type=qwen3_moe (or a Qwen3-MoE --hf_checkpoint)")
+flags.register_multi_flags_validator(
+    ["routing_replay", "max_tokens_per_micro_batch", "shared_prefix", "partial_rollouts", "recompute"],
+    lambda v: not v["routing_replay"] or not (v["max_tokens_per_micro_batch"] or v["shared_prefix"]
+                                              or v["partial_rollouts"] or v["recompute"]),
+    "--routing_replay is not supported with --max_tokens_per_micro_batch, --shared_prefix, --partial_rollouts or "
+    "--recompute: add --noshared_prefix and drop the others")
+flags.register_multi_flags_validator(
+    ["routing_replay", "speculative_algorithm"],
+    lambda v: not v["routing_replay"] or v["speculative_algorithm"] == "none",
+    "--routing_replay does not combine with --speculative_algorithm yet (the verify forward records no routes): "
+    "set --speculative_algorithm=none or --norouting_replay")
+
 # == Validation: flag combinations and values that no single bound expresses
 flags.register_multi_flags_validator(
     ["memory_margin_gb", "pack_row_len", "max_tokens_per_micro_batch"],
@@ -481,6 +508,9 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         num_kv_heads=f.num_kv_heads,
         model_type=f.model_type,
         attention_bias=f.model_type == "qwen2",
+        **({} if f.model_type != "qwen3_moe" else dict(
+            num_experts=f.num_experts, num_experts_per_tok=f.num_experts_per_tok,
+            moe_intermediate_size=f.moe_intermediate_size, router_aux_loss_coef=f.router_aux_loss_coef)),
         max_position_embeddings=64,
     )
     sampling = SamplingConfig(
@@ -509,6 +539,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         loss_agg=f.loss_agg,
         temperature=sampling.logprob_temperature,
         shared_prefix=f.shared_prefix,
+        routing_replay=f.routing_replay,
     )
     return RunConfig(
         seed=f.seed,
@@ -573,6 +604,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             normalize_std=f.normalize_advantage_std,
             temperature=sampling.logprob_temperature,
             shared_prefix=f.shared_prefix,
+            routing_replay=f.routing_replay,
             skip_zero_advantage_rows=f.skip_zero_advantage_rows,
         ),
         shaping=RolloutShaping(f.dynamic_sampling, f.dynamic_sampling_max_rounds, f.overlong_buffer,
@@ -676,6 +708,7 @@ SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Loop modes", ("debug_rollout_only", "debug_train_only")),
     ("Debugging and replay", ("snapshot_steps", "profile_steps")),
     ("Speculative decoding", ("speculative_algorithm", "speculative_num_steps", "draft_checkpoint")),
+    ("MoE and rollout routing replay", ("num_experts", "num_experts_per_tok", "routing_replay")),
 )
 
 

@@ -34,7 +34,7 @@ from launch.metrics import MetricsFileError, MetricsWriter, plot_curves, to_floa
 from launch.plugins import PluginError
 from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
-from miles_fn import lora, model, prng, train
+from miles_fn import lora, model, prng, routing, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
@@ -285,6 +285,10 @@ def rollout(
         prompts, gen, rewards = col.prompts, col.batch, col.rewards
         buf = build_rollout_buffer(prompts, gen.tokens, gen.logprobs, rewards, [i // g for i in range(len(prompts))],
                                    cfg.normalize_advantage_std, col.loss_masks)
+        if getattr(gen, "routed_experts", None) is not None:  # MoE: the engine's experts, for R3 and its metric
+            m = cfg.model
+            buf = buf._replace(routed_experts=routing.buffer_routes(gen.routed_experts, buf.loss_mask.shape[1],
+                                                                     len(m.moe_layers), m.num_experts_per_tok))
     if ref_params is not None:
         with torch.no_grad(), timer("logprob_recompute"):
             ref_model = lora.full_params(ref_params, getattr(job.state, "base", None), cfg.lora)

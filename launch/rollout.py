@@ -147,7 +147,8 @@ def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCo
     picked = [_pick(c, [g * group + j for g in take for j in range(group)]) for c, take in parts]
     return Collected(
         [p for c in picked for p in c.prompts],
-        Batch(*([x for c in picked for x in getattr(c.batch, f)] for f in Batch._fields)),
+        Batch(*(None if any(getattr(c.batch, f) is None for c in picked)  # routed_experts may be absent
+                else [x for c in picked for x in getattr(c.batch, f)] for f in Batch._fields)),
         None if rnd.loss_masks is None else [m for c in picked for m in c.loss_masks],  # type: ignore[union-attr]
         [r for c in picked for r in c.rewards],
         sum(c.reward_errors for c, _ in parts),
@@ -158,7 +159,8 @@ def collect(engine: Engine, task: Any, rcfg: RolloutConfig, sampling: SamplingCo
 
 def _pick(c: Collected, rows: list[int]) -> Collected:
     pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-    return c._replace(prompts=pick(c.prompts), batch=Batch(*(pick(col) for col in c.batch)), rewards=pick(c.rewards),
+    batch = Batch(*(None if col is None else pick(col) for col in c.batch))  # routed_experts may be None
+    return c._replace(prompts=pick(c.prompts), batch=batch, rewards=pick(c.rewards),
                       loss_masks=None if c.loss_masks is None else pick(c.loss_masks))
 
 

@@ -24,6 +24,9 @@ class Generation(NamedTuple):
     tokens: list[list[int]]  # response ids, the stop token included when one was hit
     logprobs: list[list[float]]  # per response token, see SamplingConfig.logprob_temperature
     finish_reasons: list[str]  # "stop" or "length"
+    # MoE models: per request, the experts each MoE layer ran for every token the model was fed
+    # (prompt, then response but its last): [P + R - 1, L_moe, k] int32, for R3 (rollout routing replay)
+    routed_experts: list[torch.Tensor] | None = None
 
 
 @torch.inference_mode()
@@ -92,14 +95,17 @@ def generate_rows(
     causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
     mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
     cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
+    routes: list | None = [] if cfg.num_experts else None  # prefill's MoE routes, then each step's
     if len(src) == b:
-        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg)[:, -1]
+        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg,
+                               routes_out=routes)[:, -1]
     else:
         rows = torch.tensor(row_of, dtype=torch.int64)
         s_idx = torch.tensor(src, dtype=torch.int64)
         pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
         logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
-                               ops_cfg=ops_cfg)[:, -1][rows]
+                               ops_cfg=ops_cfg, routes_out=routes)[:, -1][rows]
+        routes = None if routes is None else [r._replace(used=r.used.view(len(src), lp, -1)[rows]) for r in routes]
         for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
             ck[:, :, :lp] = pk[rows]
             cv[:, :, :lp] = pv[rows]
@@ -116,6 +122,8 @@ def generate_rows(
         cos, sin = ops.rope_tables(lens[:, None] + torch.arange(n_new)[None], cfg.dim_head, cfg.rope_theta)
         kernel = decode_cpu.DecodePlan(params, cfg, cache, key_valid, cos[:, 0], sin[:, 0])
     stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.int64)
+    step_routes: list[torch.Tensor] = []  # per decode step [B, L_moe, k]
+    prompt_routes = None if routes is None else torch.stack([r.used.view(b, lp, -1) for r in routes], 2)
     out_tok = torch.zeros(b, n_new, dtype=torch.int64)
     out_lp = torch.zeros(b, n_new, dtype=torch.float32)
     done = torch.zeros(b, dtype=torch.bool)
@@ -148,9 +156,19 @@ def generate_rows(
             continue
         mask = key_valid[:, None, : col + 1]
         pos = (lens + t)[:, None]
-        logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col, ops_cfg=ops_cfg)[:, -1]
+        step: list | None = None if prompt_routes is None else []
+        logits = model.forward(params, cfg, tok[:, None], pos, mask, cache, col, ops_cfg=ops_cfg,
+                               routes_out=step)[:, -1]
+        if step is not None:
+            step_routes.append(torch.stack([r.used.view(b, -1) for r in step], 1))
 
-    return _generation(out_tok, out_lp, n_out, sampling)
+    gen = _generation(out_tok, out_lp, n_out, sampling)
+    if prompt_routes is None:
+        return gen
+    steps = torch.stack(step_routes, 1) if step_routes else prompt_routes.new_zeros(b, 0, *prompt_routes.shape[2:])
+    per_row = [torch.cat([prompt_routes[i, lp - int(lens[i]):], steps[i, : max(len(t) - 1, 0)]]).to(torch.int32)
+               for i, t in enumerate(gen.tokens)]
+    return gen._replace(routed_experts=per_row)
 
 
 def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig

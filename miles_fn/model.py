@@ -1,9 +1,11 @@
-"""A Qwen2/Llama-family decoder as a pure function over a params pytree.
+"""A Qwen2/Llama/Qwen3(-MoE) decoder as a pure function over a params pytree.
 
 params = {
     "embed": [V, H],
     "layers": [{"attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo",
                 "mlp_norm", "w_gate", "w_up", "w_down"}, ...],
+                # Qwen3: + "q_norm", "k_norm" [head_dim]; a Qwen3-MoE sparse layer has
+                # "router", "e_gate", "e_up", "e_down" (miles_fn/moe.py) for w_gate/w_up/w_down
     "final_norm": [H],
     "lm_head": [V, H],          # absent when the embeddings are tied
 }
@@ -21,7 +23,7 @@ import optree
 import torch
 
 import ops
-from miles_fn import prng, remat
+from miles_fn import moe, prng, remat
 from miles_fn.config import ModelConfig
 
 Params = dict[str, Any]
@@ -45,9 +47,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
     }
     if cfg.attention_bias:
         layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.qk_norm:
+        layer.update(q_norm=(d,), k_norm=(d,))
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    sparse = {k: v for k, v in layer.items() if k not in ("w_gate", "w_up", "w_down")}
+    sparse.update(router=(e, h), e_gate=(e, i, h), e_up=(e, i, h), e_down=(e, h, i))
     shapes: Params = {
         "embed": (cfg.vocab_size, h),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "layers": [dict(sparse if cfg.is_moe_layer(n) else layer) for n in range(cfg.num_layers)],
         "final_norm": (h,),
     }
     if not cfg.tie_word_embeddings:
@@ -103,15 +110,20 @@ def _block(
     oc: ops.OpsConfig,
     prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_out: list | None = None,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
 ) -> torch.Tensor:
     """One decoder layer. prefix_kv: keys/values [B, Hkv, P, D] (rotated) placed before this call's own,
-    as a shared prompt's (shared_prefix_logits); kv_out, when given, receives this call's own (k, v)."""
+    as a shared prompt's (shared_prefix_logits); kv_out, when given, receives this call's own (k, v).
+    A MoE layer: replay [B, T, k] expert ids to run (R3, -1 = its own); routes_out receives its moe.Route."""
     b, t, _ = x.shape
     d = cfg.dim_head
     h = ops.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, oc)
     q = ops.linear(h, p["wq"], p.get("bq"), oc).view(b, t, cfg.num_heads, d).transpose(1, 2)
     k = ops.linear(h, p["wk"], p.get("bk"), oc).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
     v = ops.linear(h, p["wv"], p.get("bv"), oc).view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
+    if "q_norm" in p:  # Qwen3: each head's vector normalised before RoPE (after the transpose: same values)
+        q, k = ops.rms_norm(q, p["q_norm"], cfg.rms_norm_eps, oc), ops.rms_norm(k, p["k_norm"], cfg.rms_norm_eps, oc)
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
     if cache is not None:
         # The cache buffers are donated to this call (as JAX donates buffers): written in place.
@@ -126,19 +138,24 @@ def _block(
     a = ops.attention(q, k, v, mask, oc).transpose(1, 2).reshape(b, t, cfg.num_heads * d)
     x = x + ops.linear(a, p["wo"], None, oc)
     h = ops.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, oc)
+    if "router" in p:
+        y, r = moe.moe_mlp(p, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, oc, replay)
+        if routes_out is not None:
+            routes_out.append(r)
+        return x + y
     gate = ops.silu(ops.linear(h, p["w_gate"], None, oc), oc)
     return x + ops.linear(gate * ops.linear(h, p["w_up"], None, oc), p["w_down"], None, oc)
 
 
 def _recomputed_block(
     p: Params, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-    oc: ops.OpsConfig = ops.REFERENCE,
+    oc: ops.OpsConfig = ops.REFERENCE, replay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """_block with activation recomputation: only the layer's input is kept for the backward pass."""
     names = sorted(p)
 
     def block(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return _block(dict(zip(names, weights, strict=True)), cfg, x, cos, sin, mask, None, 0, oc)
+        return _block(dict(zip(names, weights, strict=True)), cfg, x, cos, sin, mask, None, 0, oc, replay=replay)
 
     return remat.recompute(block, x, *(p[n] for n in names))
 
@@ -153,15 +170,19 @@ def forward(
     cache_start: int = 0,
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
 ) -> torch.Tensor:
     """Logits [B, T, V] for tokens [B, T] at positions [B, T] under mask [B, T, S].
 
     Without a cache S = T; with one, keys are the cache's first cache_start + T columns.
     cfg.recompute recomputes each layer's activations in the backward pass (miles_fn.remat).
     `ops_cfg` picks the kernels (ops.OpsConfig); ops_cfg.compile runs the forward under torch.compile.
+    MoE (miles_fn/moe.py): replay [B, T, L_moe, k] expert ids (R3, -1 = route by the model's own
+    router); routes_out, when given, receives one moe.Route per MoE layer, in layer order.
     """
     fn = _compiled_forward() if ops_cfg.compile else _forward
-    return fn(params, cfg, tokens, positions, mask, cache, cache_start, False, ops_cfg)[0]
+    return fn(params, cfg, tokens, positions, mask, cache, cache_start, False, ops_cfg, replay, routes_out)[0]
 
 
 def forward_with_activations(
@@ -182,17 +203,24 @@ def _forward(
     cache_start: int,
     keep: bool,
     oc: ops.OpsConfig,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     acts: dict[str, torch.Tensor] = {}
     x = params["embed"][tokens]
     if keep:
         acts["embed"] = x
     cos, sin = ops.rope_tables(positions, cfg.dim_head, cfg.rope_theta, x.dtype)
+    moe_index = {n: j for j, n in enumerate(cfg.moe_layers)}
     for i, layer in enumerate(params["layers"]):
+        rep = None if replay is None or i not in moe_index else replay[:, :, moe_index[i]]
         if cfg.recompute and cache is None and torch.is_grad_enabled():
-            x = _recomputed_block(layer, cfg, x, cos, sin, mask, oc)
+            if routes_out is not None:
+                raise ValueError("MoE routes (the router aux loss, R3 metrics) are not collected under --recompute")
+            x = _recomputed_block(layer, cfg, x, cos, sin, mask, oc, rep)
         else:
-            x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start, oc)
+            x = _block(layer, cfg, x, cos, sin, mask, None if cache is None else cache[i], cache_start, oc,
+                       replay=rep, routes_out=routes_out)
         if keep:
             acts[f"layer_{i:02d}"] = x
     x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, oc)
@@ -221,14 +249,18 @@ def sequence_logprobs(
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     group_ids: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
 ) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: shape [B, T-1].
+    replay [B, T-1, L_moe, k] / routes_out: as in `forward`, for its T-1 columns.
 
     group_ids [B]: rows of a group (GRPO's samples of one prompt) run their common prefix once
     (shared_prefix_columns); the same log-probs, bit for bit under ops.INVARIANT.
     """
     (lp,) = next_token_columns(params, cfg, tokens, positions, segment_ids,
-                               lambda lg, tg: (ops.token_logprobs(lg, tg, temperature, ops_cfg),), ops_cfg, group_ids)
+                               lambda lg, tg: (ops.token_logprobs(lg, tg, temperature, ops_cfg),), ops_cfg, group_ids,
+                               replay=replay, routes_out=routes_out)
     return lp
 
 
@@ -242,29 +274,33 @@ def sequence_logprobs_and_entropy(
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     group_ids: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence_logprobs, full-vocabulary entropy of each next-token distribution), both [B, T-1], one forward."""
     lp, ent = next_token_columns(
         params, cfg, tokens, positions, segment_ids,
         lambda lg, tg: (ops.token_logprobs(lg, tg, temperature, ops_cfg), ops.token_entropy(lg, temperature)),
-        ops_cfg, group_ids)
+        ops_cfg, group_ids, replay=replay, routes_out=routes_out)
     return lp, ent
 
 
 def next_token_columns(
     params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor,
     fn: ColumnFn, ops_cfg: ops.OpsConfig = ops.REFERENCE, group_ids: torch.Tensor | None = None,
+    *, replay: torch.Tensor | None = None, routes_out: list | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """fn(logits, targets) for each column t < T-1, whose logits predict targets = tokens[:, t+1]: each [B, T-1].
     With group_ids, by the shared-prefix forward where it applies (plain right-padded rows, no
-    recomputation, a prefix to share)."""
-    if group_ids is not None and not cfg.recompute and not ops_cfg.compile:
+    recomputation, a prefix to share, no MoE routes asked for)."""
+    plain = replay is None and routes_out is None
+    if group_ids is not None and plain and not cfg.recompute and not ops_cfg.compile:
         layout = shared_prefix_layout(tokens, segment_ids, group_ids)
         if layout is not None:
             return shared_prefix_columns(params, cfg, tokens, positions, segment_ids, layout, fn, ops_cfg=ops_cfg)
     # The last column predicts nothing and, under a causal mask, changes no other column: leave it out.
     logits = forward(params, cfg, tokens[:, :-1], positions[:, :-1], causal_segment_mask(segment_ids[:, :-1]),
-                     ops_cfg=ops_cfg)
+                     ops_cfg=ops_cfg, replay=replay, routes_out=routes_out)
     return fn(logits, tokens[:, 1:])
 
 

@@ -18,7 +18,7 @@ import torch
 
 import ops
 from miles_fn import advantages as adv_lib
-from miles_fn import losses, model, offpolicy, optim, packing, prng, train
+from miles_fn import losses, model, offpolicy, optim, packing, prng, routing, train
 from miles_fn.config import ModelConfig
 from state.train_state import ActorCriticState, RolloutBuffer, TrainState
 
@@ -45,6 +45,7 @@ class ObjectiveConfig:
     temperature: float = 1.0
     shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_columns)
     skip_zero_advantage_rows: bool = False  # train only rollout_buffer.gradient_rows, where that is exact
+    routing_replay: bool = False  # MoE: run the engine's recorded experts (R3, miles_fn/routing.py)
 
     def __post_init__(self) -> None:
         for name, table, flag in ((self.advantage_estimator, adv_lib.ESTIMATORS, "advantage_estimator"),
@@ -147,10 +148,11 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig, ops_cfg: ops.
         del key  # no randomness in the loss
         args = (params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature)
         gids = train.group_ids_for_sharing(batch, cfg.shared_prefix)
+        moe_kw, routes = routing.forward_args(model_cfg, batch, cfg.routing_replay)
         if cfg.entropy_coef > 0:
-            logp, entropy = model.sequence_logprobs_and_entropy(*args, ops_cfg=ops_cfg, group_ids=gids)
+            logp, entropy = model.sequence_logprobs_and_entropy(*args, ops_cfg=ops_cfg, group_ids=gids, **moe_kw)
         else:
-            logp, entropy = model.sequence_logprobs(*args, ops_cfg=ops_cfg, group_ids=gids), None
+            logp, entropy = model.sequence_logprobs(*args, ops_cfg=ops_cfg, group_ids=gids, **moe_kw), None
         packed = isinstance(batch, packing.PackedBatch)
         mask = batch.loss_mask
         norm = None if packed else normalizer(batch, cfg.loss_agg, cfg.max_response_len)
@@ -173,6 +175,9 @@ def make_policy_loss(model_cfg: ModelConfig, cfg: ObjectiveConfig, ops_cfg: ops.
             bonus = aggregate(losses.entropy_bonus(entropy), batch, cfg.loss_agg, norm)
             loss = loss + cfg.entropy_coef * bonus
             aux["entropy"] = -bonus.detach()
+        moe_loss, moe_aux = routing.loss_terms(model_cfg, batch, routes)  # router balance loss, R3 metrics
+        loss = loss if moe_loss is None else loss + moe_loss
+        aux.update(moe_aux)
         with torch.no_grad():
             aux["entropy_proxy"] = aggregate(-logp, batch, "token_mean")
         return loss, aux

@@ -67,4 +67,4 @@ def gradient_rows(buf: RolloutBuffer) -> RolloutBuffer:
 
 
 _ROW_FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages", "rewards",
-               "group_ids", "ref_logprobs", "values", "returns")
+               "group_ids", "ref_logprobs", "values", "returns", "routed_experts")

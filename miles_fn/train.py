@@ -15,7 +15,7 @@ from optree import tree_flatten, tree_unflatten
 from torch.func import grad
 
 import ops
-from miles_fn import losses, model, offpolicy, optim, packing, prng
+from miles_fn import losses, model, offpolicy, optim, packing, prng, routing
 from miles_fn.config import ModelConfig
 from miles_fn.packing import PackedBatch
 from state.train_state import RolloutBuffer, TrainState
@@ -202,6 +202,7 @@ class PolicyLossConfig:
     loss_agg: str = "token_mean"
     temperature: float = 1.0
     shared_prefix: bool = False  # run each group's common prefix once (model.shared_prefix_columns)
+    routing_replay: bool = False  # MoE: run the engine's recorded experts (R3, miles_fn/routing.py)
 
 
 def group_ids_for_sharing(batch: Any, shared_prefix: bool) -> torch.Tensor | None:
@@ -221,9 +222,10 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.O
 
     def loss_fn(params: Any, batch: RolloutBuffer, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key  # the policy loss draws no randomness
+        moe_kw, routes = routing.forward_args(model_cfg, batch, cfg.routing_replay)
         logp = model.sequence_logprobs(
             params, model_cfg, batch.tokens, batch.positions, batch.segment_ids, cfg.temperature, ops_cfg=ops_cfg,
-            group_ids=group_ids_for_sharing(batch, cfg.shared_prefix),
+            group_ids=group_ids_for_sharing(batch, cfg.shared_prefix), **moe_kw,
         )
         correct = offpolicy_cfg is not None and offpolicy_cfg.correction != "none"
         old = logp.detach() if correct else batch.old_logprobs
@@ -244,6 +246,9 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: PolicyLossConfig, ops_cfg: ops.O
             kl = packing.aggregate(losses.kl_k3(logp, batch.ref_logprobs), batch, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
             aux["kl"] = kl.detach()
+        moe_loss, moe_aux = routing.loss_terms(model_cfg, batch, routes)
+        loss = loss if moe_loss is None else loss + moe_loss
+        aux.update(moe_aux)
         with torch.no_grad():
             aux["entropy_proxy"] = packing.aggregate(-logp, batch, "token_mean")
         return loss, aux

@@ -121,6 +121,17 @@ def applies(params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor
         c.is_contiguous() for kv in cache for c in kv)
 
 
+def unsupported(params: dict[str, Any]) -> str:
+    """"" when the kernel implements this model's layers, else why not: it has no Qwen3 q/k norms and
+    no MoE MLP, so those models decode on the torch path (model.forward), which has both."""
+    keys = {k for layer in params["layers"] for k in layer}
+    if "router" in keys:
+        return "the model has MoE layers (Qwen3-MoE), which the C kernel does not implement"
+    if "q_norm" in keys:
+        return "the model has Qwen3 per-head q/k norms, which the C kernel does not implement"
+    return ""
+
+
 def chosen(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether generate decodes with this kernel under ops config `cfg` (an ops.OpsConfig).
 
@@ -131,7 +142,10 @@ def chosen(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, tor
         return False
     plain = not cfg.invariant and not cfg.compile and cfg.attention_backend == "torch" and cfg.gemm_backend == "torch"
     if cfg.decode_backend == "auto":
-        return plain and applies(params, cache) and not status()
+        return plain and not unsupported(params) and applies(params, cache) and not status()
+    if why := unsupported(params):
+        raise ValueError(f"--decode_backend=cpu_kernel cannot take this model: {why}; use --decode_backend=auto "
+                         "or torch")
     if not applies(params, cache):
         raise ValueError("--decode_backend=cpu_kernel takes float32 weights and caches on CPU; "
                          "use --decode_backend=auto or torch for other dtypes and devices")

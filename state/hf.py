@@ -1,4 +1,9 @@
-"""Hugging Face checkpoint import and export (config.json + safetensors, Qwen2 and Llama)."""
+"""Hugging Face checkpoint import and export (config.json + safetensors: Qwen2, Llama, Qwen3, Qwen3-MoE).
+
+Qwen3-MoE experts: export writes one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight), as
+save_pretrained does and SGLang/vLLM load; import reads that and transformers 5's fused in-memory form
+(mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]).
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,12 @@ _LAYER_NAMES = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "router": "mlp.gate.weight",
 }
+_EXPERT_LEAVES = ("e_gate", "e_up", "e_down")
+_EXPERT_NAMES = {"e_gate": "gate_proj", "e_up": "up_proj", "e_down": "down_proj"}
 _TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
@@ -36,11 +46,30 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     for ours, theirs in _TOP_NAMES.items():
         if ours != "lm_head" or not cfg.tie_word_embeddings:
             names[theirs] = (ours,)
-    layer_keys = param_shapes(cfg)["layers"][0] if cfg.num_layers else {}
     for i in range(cfg.num_layers):
-        for ours in layer_keys:
-            names[f"model.layers.{i}.{_LAYER_NAMES[ours]}"] = ("layers", i, ours)
+        for ours in param_shapes(cfg)["layers"][i]:
+            if ours not in _EXPERT_LEAVES:
+                names[f"model.layers.{i}.{_LAYER_NAMES[ours]}"] = ("layers", i, ours)
     return names
+
+
+def _read_experts(path: str, tensors: dict[str, torch.Tensor], i: int, e: int) -> dict[str, torch.Tensor]:
+    """Layer i's stacked experts from per-expert tensors or the fused form (popped from `tensors`)."""
+    pre = f"model.layers.{i}.mlp.experts."
+    if pre + "gate_up_proj" in tensors:
+        gu = tensors.pop(pre + "gate_up_proj")
+        if pre + "down_proj" not in tensors:
+            raise KeyError(f"{path}: {pre}gate_up_proj without {pre}down_proj")
+        half = gu.shape[1] // 2
+        return {"e_gate": gu[:, :half], "e_up": gu[:, half:], "e_down": tensors.pop(pre + "down_proj")}
+    out = {}
+    for ours, theirs in _EXPERT_NAMES.items():
+        names = [f"{pre}{j}.{theirs}.weight" for j in range(e)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise KeyError(f"{path}: expert tensor {missing[0]!r} is missing (and no fused {pre}gate_up_proj)")
+        out[ours] = torch.stack([tensors.pop(n) for n in names])
+    return out
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -87,6 +116,13 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig,
             raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, config implies {expected}")
         # clone: own, aligned storage; CPU kernels give different bits on unaligned (mmapped) data
         node[where[-1]] = t.to(dtype).clone()
+    for i in cfg.moe_layers:
+        for ours, t in _read_experts(path, tensors, i, cfg.num_experts).items():
+            expected = shapes["layers"][i][ours]
+            if tuple(t.shape) != tuple(expected):
+                raise ValueError(f"{path}: layer {i} experts {ours} have shape {tuple(t.shape)}, config implies "
+                                 f"{expected}")
+            params["layers"][i][ours] = t.to(dtype).contiguous().clone()
     tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy
     unknown = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
     if unknown:
@@ -103,6 +139,10 @@ def save_hf(path: str, cfg: ModelConfig, params: Params, dtype: torch.dtype = to
         for w in where:
             node = node[w]
         tensors[name] = node.detach().to(dtype).contiguous().clone()
+    for i in cfg.moe_layers:
+        for ours, theirs in _EXPERT_NAMES.items():
+            for j, w in enumerate(params["layers"][i][ours]):
+                tensors[f"model.layers.{i}.mlp.experts.{j}.{theirs}.weight"] = w.detach().to(dtype).contiguous().clone()
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_dict(cfg), f, indent=2)

@@ -52,6 +52,8 @@ class RolloutBuffer(NamedTuple):
     # so that accumulating micro-batch gradients equals one full-batch step (NeMo-RL style).
     num_tokens: torch.Tensor | None = None  # scalar: sum of loss_mask over the whole batch
     num_samples: torch.Tensor | None = None  # scalar: rows of the whole batch
+    # MoE: the experts the engine ran for the token at each column, [N, T-1, L_moe, k] int32, -1 = none (R3)
+    routed_experts: torch.Tensor | None = None
 
 
 class ActorCriticState(NamedTuple):

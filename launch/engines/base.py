@@ -14,7 +14,7 @@ consecutive chunks of `batch_size` and runs each chunk as one batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -39,6 +39,7 @@ class Sample(NamedTuple):
     logprobs: list[float]  # one per response token
     finish_reason: str  # "stop" or "length"
     weight_version: int  # the weights that produced every token of it
+    routed_experts: Any = None  # MoE: [P + R - 1, L_moe, k] int32, the experts run per token (R3)
 
 
 class Batch(NamedTuple):
@@ -48,6 +49,7 @@ class Batch(NamedTuple):
     logprobs: list[list[float]]
     finish_reasons: list[str]
     weight_versions: list[int]
+    routed_experts: list | None = None  # per sample, where the engine recorded them (MoE, R3)
 
 
 @runtime_checkable
@@ -115,5 +117,6 @@ def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], key: prng.K
     samples = engine.generate(make_requests(prompts, key), sampling)
     if len(samples) != len(prompts):
         raise EngineError(f"engine returned {len(samples)} samples for {len(prompts)} requests")
+    routes = [s.routed_experts for s in samples]
     return Batch([s.tokens for s in samples], [s.logprobs for s in samples], [s.finish_reason for s in samples],
-                 [s.weight_version for s in samples])
+                 [s.weight_version for s in samples], None if any(r is None for r in routes) else routes)

@@ -60,4 +60,6 @@ def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling:
     """One chunk as one batch: what the embedded engine and the rollout server both run."""
     gen = generate_rows(params, cfg, [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]), sampling,
                         ops_cfg=ops_cfg)
-    return [Sample(t, lp, f, version) for t, lp, f in zip(gen.tokens, gen.logprobs, gen.finish_reasons, strict=True)]
+    routes = gen.routed_experts or [None] * len(gen.tokens)  # MoE models: the experts run per token (R3)
+    return [Sample(t, lp, f, version, r)
+            for t, lp, f, r in zip(gen.tokens, gen.logprobs, gen.finish_reasons, routes, strict=True)]

@@ -96,13 +96,15 @@ def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
             reason = meta["finish_reason"]["type"] if isinstance(meta["finish_reason"], dict) else "length"
             v = meta.get("weight_version")
             version = -1 if v is None or v == "" else int(v)  # "" on a request aborted before it started
+            routed = meta.get("routed_experts")  # SGLang's enable_return_routed_experts: [tokens - 1, L, k]
+            routed = None if routed is None else torch.tensor(routed, dtype=torch.int32)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{where}: /generate output {i} is malformed ({type(e).__name__}: {e})") from None
         if "output_ids" in item and list(item["output_ids"]) != tokens:
             raise EngineError(f"{where}: /generate output {i}: output_ids disagree with output_token_logprobs")
         if reason not in ("stop", "length"):
             raise EngineError(f"{where}: /generate output {i} finished with {meta['finish_reason']!r}")
-        out.append(Sample(tokens, logprobs, reason, version))
+        out.append(Sample(tokens, logprobs, reason, version, routed))
     return out
 
 
@@ -121,6 +123,7 @@ def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> lis
                 "completion_tokens": len(s.tokens),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.logprobs, s.tokens, strict=True)],
                 "weight_version": str(s.weight_version),
+                **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()}),
             },
         })
     return out
