@@ -152,7 +152,8 @@ def _chat_run(cache, out, *extra):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    drop_times = [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    # times vary; eval_success is written at a run's last step, so a 1-step run has it where a 2-step one doesn't
+    drop_times = [{k: v for k, v in r.items() if not k.startswith("time_") and k != "eval_success"} for r in rows]
     (hash_line,) = [w for w in p.stdout.split() if w.startswith("state_hash=")]
     return drop_times, hash_line
 
