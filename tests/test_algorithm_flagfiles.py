@@ -21,6 +21,8 @@ EXAMPLES = {
     "dapo": ("ds_rounds", "ds_kept_groups", "overlong_penalty_mean"),
     "gspo": ("clip_frac",),
     "reinforce_pp": ("pg_loss",),
+    "qwen3_tiny": ("pg_loss",),
+    "qwen3_moe_tiny": ("pg_loss", "router_aux_loss"),
 }
 
 
