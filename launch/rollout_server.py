@@ -76,6 +76,10 @@ class RolloutState:
 
     def generate(self, body: dict[str, Any], probe: bool = False) -> list[dict[str, Any]]:
         prompts, seeds, sampling = sglang_api.parse_generate_body(body, self.cfg.vocab_size)
+        routes = body.get("return_routed_experts") is not None and sglang_api.strict_bool(
+            body["return_routed_experts"], "return_routed_experts")
+        if routes and not self.cfg.num_experts:
+            raise ValueError("return_routed_experts: this model has no MoE layers, so no experts to return")
         if self.vocab_limit:
             sampling = dataclasses.replace(sampling, vocab_limit=self.vocab_limit)
         rid = body.get("rid")
@@ -92,7 +96,7 @@ class RolloutState:
                     if call in self.aborted:
                         return [sglang_api.abort_reply(len(p)) for p in prompts]
                     del self.waiting[call]
-                reply = self._run(prompts, seeds, sampling, probe)
+                reply = self._run(prompts, seeds, sampling, probe, routes)
             for item, r in zip(reply, rids):  # SGLang's meta_info.id: which request each output answers
                 item["meta_info"]["id"] = r
             return reply
@@ -101,14 +105,15 @@ class RolloutState:
                 self.waiting.pop(call, None)
                 self.aborted.discard(call)
 
-    def _run(self, prompts: list[list[int]], seeds: list[int], sampling: Any, probe: bool) -> list[dict[str, Any]]:
+    def _run(self, prompts: list[list[int]], seeds: list[int], sampling: Any, probe: bool, routes: bool = False
+             ) -> list[dict[str, Any]]:
         """One call as one batch (the caller holds self.lock)."""
         self.generate_calls += not probe
         if self.exit_after and self.generate_calls >= self.exit_after:
             os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
         reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
         samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg)
-        reply = sglang_api.generate_reply(samples, [len(p) for p in prompts])
+        reply = sglang_api.generate_reply(samples, [len(p) for p in prompts], self.cfg if routes else None)
         for item in reply if self.served_by else ():
             item["meta_info"]["served_by"] = self.served_by
         return reply
@@ -261,23 +266,33 @@ def _version(body: dict[str, Any]) -> int:
 
 
 def replace_named(cfg: ModelConfig, params: Any, named: dict[str, torch.Tensor]) -> Any:
-    """A new params tree with the Hugging Face-named tensors swapped in (shapes and dtypes checked)."""
-    where = hf.hf_names(cfg)
+    """A new params tree with the Hugging Face-named tensors swapped in (shapes and dtypes checked); an
+    expert's matrix replaces its row of a copy of the stacked tensor, so `params` is never written."""
+    where = hf.weight_names(cfg)
     unknown = sorted(set(named) - set(where))
     if unknown:
         raise ValueError(f"serialized_named_tensors: names the model does not have: {unknown[:5]}")
     new = {k: v for k, v in params.items() if k != "layers"}
     new["layers"] = [dict(layer) for layer in params["layers"]]
+    copied: set[tuple] = set()  # stacked expert tensors already copied for this update
     for name, t in named.items():
-        node = new
         path = where[name]
-        for w in path[:-1]:
+        expert = len(path) == 4  # ("layers", i, "e_gate", j): row j of a stacked tensor
+        *parents, leaf = path[:3] if expert else path
+        node = new
+        for w in parents:
             node = node[w]
-        old = node[path[-1]]
+        old = node[leaf][path[3]] if expert else node[leaf]
         if t.shape != old.shape or t.dtype != old.dtype:
             raise ValueError(f"serialized_named_tensors: {name} is {t.dtype}{tuple(t.shape)}, "
                              f"the model has {old.dtype}{tuple(old.shape)}")
-        node[path[-1]] = t
+        if not expert:
+            node[leaf] = t
+            continue
+        if path[:3] not in copied:
+            node[leaf] = node[leaf].clone()
+            copied.add(path[:3])
+        node[leaf][path[3]] = t
     return new
 
 

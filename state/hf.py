@@ -53,6 +53,17 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
+def weight_names(cfg: ModelConfig) -> dict[str, tuple[Any, ...]]:
+    """hf_names plus one name per expert matrix (mlp.experts.{j}.gate_proj.weight -> ("layers", i, "e_gate", j),
+    a row of the stacked tensor): every tensor a weight update to a server carries, as SGLang loads them."""
+    names = dict(hf_names(cfg))
+    for i in cfg.moe_layers:
+        for ours, theirs in _EXPERT_NAMES.items():
+            for j in range(cfg.num_experts):
+                names[f"model.layers.{i}.mlp.experts.{j}.{theirs}.weight"] = ("layers", i, ours, j)
+    return names
+
+
 def _read_experts(path: str, tensors: dict[str, torch.Tensor], i: int, e: int) -> dict[str, torch.Tensor]:
     """Layer i's stacked experts from per-expert tensors or the fused form (popped from `tensors`)."""
     pre = f"model.layers.{i}.mlp.experts."

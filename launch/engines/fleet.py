@@ -144,7 +144,7 @@ class FleetEngine:
         self.members, self.router = members, router
         self.timeout_s, self.max_inflight, self.recovery = timeout_s, max_inflight, recovery or RecoveryPolicy()
         self.router_fault, self.generate_calls = router_fault, 0
-        self.client = SGLangClient(router.url, timeout_s, max_inflight)  # generation, through the router
+        self.client = SGLangClient(router.url, timeout_s, max_inflight, routes_cfg=cfg)  # generation, via the router
         self.removed: list[str] = []  # servers taken out of the fleet for good, with why
         self.restarts = collections.Counter[str]()  # kind ("engine", "router") -> restarts
         self.served = collections.Counter[str]()  # server URL -> samples it served (as its replies say)
@@ -160,10 +160,10 @@ class FleetEngine:
     # --- generation --------------------------------------------------------------------------
     def _call(self, chunk: Sequence[Request], sampling: SamplingConfig) -> tuple[list[Sample], list[str]]:
         (req,) = chunk  # one request a call: the router forwards one sampling_params object (module docstring)
-        body = sglang_api.generate_body([req], sampling)
+        body = sglang_api.generate_body([req], sampling, return_routed_experts=self.client.routes_cfg is not None)
         body["sampling_params"] = body["sampling_params"][0]
         reply = self.client.call("POST", "/generate", body)
-        return sglang_api.parse_generate_reply(reply, 1, self.client.url), served_by(reply)
+        return sglang_api.parse_generate_reply(reply, 1, self.client.url, self.client.routes_cfg), served_by(reply)
 
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         self.generate_calls += 1
@@ -266,7 +266,7 @@ class FleetEngine:
                 self.router.client.close()
                 self.router.client = SGLangClient(url, self.timeout_s, 1)
                 self.router.wait_for(urls, self.recovery.start_timeout_s)
-                old, self.client = self.client, SGLangClient(url, self.timeout_s, self.max_inflight)
+                old, self.client = self.client, SGLangClient(url, self.timeout_s, self.max_inflight, routes_cfg=self.cfg)
                 old.close()
                 self.restarts["router"] += 1
                 print(f"rollout fleet: the router died; restarted at {url} over {len(urls)} server(s)",

@@ -104,9 +104,9 @@ class ServerProcess:
 
 
 def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
-    """The weights under their Hugging Face names (what SGLang-style weight updates carry)."""
+    """The weights under their Hugging Face names (what SGLang-style weight updates carry), one per expert."""
     out = {}
-    for name, where in hf.hf_names(cfg).items():
+    for name, where in hf.weight_names(cfg).items():
         node = params
         for w in where:
             node = node[w]
@@ -161,7 +161,7 @@ class RemoteEngine:
         return self._version
 
     def _client(self, url: str) -> SGLangClient:
-        return SGLangClient(url, self.timeout_s, self.max_inflight, self.seed_mask)
+        return SGLangClient(url, self.timeout_s, self.max_inflight, self.seed_mask, routes_cfg=self.cfg)
 
     def _start_owned(self) -> SGLangClient:
         assert self.process is not None

@@ -7,6 +7,9 @@ rollout server (to answer like SGLang). Shapes follow SGLang's GenerateReqInput 
     -> [{"output_ids": [int], "meta_info": {"finish_reason": {"type": "stop", "matched": id} |
          {"type": "length", "length": n}, "output_token_logprobs": [[logprob, token_id, null], ...],
          "prompt_tokens": n, "completion_tokens": n, "weight_version": "7"}}]
+    (with "return_routed_experts": true, a MoE model's meta_info also holds "routed_experts": the base64
+    of int32 expert ids [prompt + completion - 1, num_hidden_layers, top_k], C order, -1 in a dense layer:
+    SGLang's --enable-return-routed-experts format, which Miles decodes with np.frombuffer)
   POST /update_weights_from_tensor {"serialized_named_tensors": [str], "load_format": str,
        "flush_cache": bool, "weight_version": str} -> {"success": bool, "message": str}
   POST /update_weights_from_disk {"model_path": str, "weight_version": str} -> {"success", "message"}
@@ -41,6 +44,7 @@ from safetensors.torch import save as st_save
 
 import ops
 from launch.engines.base import EngineError, Request, Sample
+from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
 
 TENSOR_FORMAT = "miles_safetensors_b64"
@@ -67,9 +71,10 @@ def ops_info(oc: ops.OpsConfig) -> dict[str, Any]:
             "invariant_ops": {"tile_rows": oc.tile_rows, "kv_block": oc.kv_block} if oc.invariant else None}
 
 
-def generate_body(requests: Sequence[Request], sampling: SamplingConfig, seed_mask: int | None = None
-                  ) -> dict[str, Any]:
-    """One batched /generate call: every request's ids and its own sampling_seed."""
+def generate_body(requests: Sequence[Request], sampling: SamplingConfig, seed_mask: int | None = None,
+                  return_routed_experts: bool = False) -> dict[str, Any]:
+    """One batched /generate call: every request's ids and its own sampling_seed (and, for a MoE model's
+    R3, SGLang's request for the experts each layer ran)."""
     def seed(r: Request) -> int:
         return r.seed & seed_mask if seed_mask is not None else r.seed
 
@@ -78,11 +83,39 @@ def generate_body(requests: Sequence[Request], sampling: SamplingConfig, seed_ma
         "sampling_params": [sampling_params(sampling, seed(r)) for r in requests],
         "return_logprob": True,
         "stream": False,
+        **({"return_routed_experts": True} if return_routed_experts else {}),
     }
 
 
-def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
-    """Samples from a /generate reply for n requests; EngineError naming `where` if it is malformed."""
+def encode_routes(routes: torch.Tensor, cfg: ModelConfig) -> str:
+    """A sample's routes [T, L_moe, k] in SGLang's wire form: base64 of int32 [T, num_layers, k], -1 in dense layers."""
+    full = torch.full((routes.shape[0], cfg.num_layers, cfg.num_experts_per_tok), -1, dtype=torch.int32)
+    full[:, list(cfg.moe_layers)] = routes.to(torch.int32)
+    return base64.b64encode(full.numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routes(blob: Any, tokens: int, cfg: ModelConfig) -> torch.Tensor:
+    """encode_routes' inverse: [tokens, L_moe, k] int32; ValueError when the payload is no such array."""
+    if not isinstance(blob, str):
+        raise ValueError(f"routed_experts: a base64 string is required, got {show(blob)}")
+    try:
+        raw = base64.b64decode(blob.encode("ascii"), validate=True)
+    except (ValueError, UnicodeError) as e:
+        raise ValueError(f"routed_experts: not base64 ({e})") from None
+    width = cfg.num_layers * cfg.num_experts_per_tok
+    if len(raw) != 4 * tokens * width:
+        raise ValueError(f"routed_experts: {len(raw)} bytes, expected {tokens} tokens x {cfg.num_layers} layers x "
+                         f"{cfg.num_experts_per_tok} experts x 4 bytes = {4 * tokens * width}")
+    full = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(tokens, cfg.num_layers, cfg.num_experts_per_tok)
+    moe = full[:, list(cfg.moe_layers)]
+    if ((moe < 0) | (moe >= cfg.num_experts)).any():
+        raise ValueError(f"routed_experts: an expert id outside [0, {cfg.num_experts}) in a MoE layer")
+    return moe.clone()
+
+
+def parse_generate_reply(reply: Any, n: int, where: str, routes_cfg: ModelConfig | None = None) -> list[Sample]:
+    """Samples from a /generate reply for n requests; EngineError naming `where` if it is malformed.
+    With routes_cfg (a MoE model's config) each meta_info.routed_experts present is decoded (encode_routes)."""
     items = reply if isinstance(reply, list) else [reply]
     if len(items) != n:
         raise EngineError(f"{where}: /generate returned {len(items)} outputs for {n} requests")
@@ -96,8 +129,12 @@ def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
             reason = meta["finish_reason"]["type"] if isinstance(meta["finish_reason"], dict) else "length"
             v = meta.get("weight_version")
             version = -1 if v is None or v == "" else int(v)  # "" on a request aborted before it started
-            routed = meta.get("routed_experts")  # SGLang's enable_return_routed_experts: [tokens - 1, L, k]
-            routed = None if routed is None else torch.tensor(routed, dtype=torch.int32)
+            routed = meta.get("routed_experts")  # SGLang's enable_return_routed_experts (module docstring)
+            if routed is not None and routes_cfg is not None:
+                routed = decode_routes(routed, strict_int(meta["prompt_tokens"], "prompt_tokens", 1)
+                                       + len(tokens) - 1, routes_cfg)
+            else:
+                routed = None
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{where}: /generate output {i} is malformed ({type(e).__name__}: {e})") from None
         if "output_ids" in item and list(item["output_ids"]) != tokens:
@@ -108,8 +145,10 @@ def parse_generate_reply(reply: Any, n: int, where: str) -> list[Sample]:
     return out
 
 
-def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> list[dict[str, Any]]:
-    """The SGLang-shaped reply for samples (what the rollout server sends)."""
+def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int], routes_cfg: ModelConfig | None = None
+                   ) -> list[dict[str, Any]]:
+    """The SGLang-shaped reply for samples (what the rollout server sends); with routes_cfg (the request
+    asked for return_routed_experts) each sample's routes as meta_info.routed_experts."""
     out = []
     for s, n_prompt in zip(samples, prompt_lens, strict=True):
         finish = {"type": "stop", "matched": s.tokens[-1]} if s.finish_reason == "stop" else \
@@ -123,7 +162,8 @@ def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> lis
                 "completion_tokens": len(s.tokens),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.logprobs, s.tokens, strict=True)],
                 "weight_version": str(s.weight_version),
-                **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()}),
+                **({} if routes_cfg is None or s.routed_experts is None
+                   else {"routed_experts": encode_routes(s.routed_experts, routes_cfg)}),
             },
         })
     return out

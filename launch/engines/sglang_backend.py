@@ -25,14 +25,17 @@ from miles_fn.config import ModelConfig
 from state import hf
 
 
-def launch_command(model_path: str, port: int, rcfg: RolloutConfig, version: int, host: str = "127.0.0.1"
-                   ) -> list[str]:
-    """argv of an SGLang server for this run (ids in and out, so no tokenizer is needed)."""
+def launch_command(model_path: str, port: int, rcfg: RolloutConfig, version: int, host: str = "127.0.0.1",
+                   moe: bool = False) -> list[str]:
+    """argv of an SGLang server for this run (ids in and out, so no tokenizer is needed); a MoE model's
+    server returns the experts it ran (R3: the client asks with return_routed_experts)."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(rcfg.tp_size), "--mem-fraction-static",
             str(rcfg.mem_fraction_static), "--skip-tokenizer-init", "--weight-version", str(version)]
     if rcfg.true_on_policy:
         argv.append("--enable-deterministic-inference")
+    if moe:
+        argv.append("--enable-return-routed-experts")
     return argv
 
 
@@ -56,6 +59,7 @@ def make_sglang_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, outp
         raise EngineError(str(e)) from None
     init = os.path.abspath(os.path.join(wdir, "init"))
     hf.save_hf(init, mcfg, params)
-    proc = ServerProcess(lambda port, first: launch_command(init, port, rcfg, version),
+    proc = ServerProcess(lambda port, first: launch_command(init, port, rcfg, version,
+                                                             moe=bool(mcfg.num_experts)),
                          os.path.join(output_dir, "sglang_server.log"), rcfg.start_timeout_s)
     return RemoteEngine(mcfg, params, version, process=proc, **common)

@@ -22,6 +22,7 @@ from typing import Any
 
 from launch.engines import sglang_api
 from launch.engines.base import EngineError, Request, Sample
+from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
 
 
@@ -45,8 +46,10 @@ def transport_error(where: str, e: BaseException) -> ServerDown:
 
 
 class SGLangClient:
-    def __init__(self, url: str, timeout_s: float = 60.0, max_inflight: int = 8, seed_mask: int | None = None):
+    def __init__(self, url: str, timeout_s: float = 60.0, max_inflight: int = 8, seed_mask: int | None = None,
+                 routes_cfg: ModelConfig | None = None):
         self.url = url.rstrip("/")
+        self.routes_cfg = routes_cfg if routes_cfg is not None and routes_cfg.num_experts else None  # MoE: ask for R3
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.seed_mask = seed_mask  # real SGLang: seeds reduced to 63 bits
@@ -81,8 +84,9 @@ class SGLangClient:
 
     # --- the rollout path ----------------------------------------------------------------------
     def generate_chunk(self, chunk: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
-        reply = self.call("POST", "/generate", sglang_api.generate_body(chunk, sampling, self.seed_mask))
-        return sglang_api.parse_generate_reply(reply, len(chunk), self.url)
+        body = sglang_api.generate_body(chunk, sampling, self.seed_mask, self.routes_cfg is not None)
+        return sglang_api.parse_generate_reply(self.call("POST", "/generate", body), len(chunk), self.url,
+                                               self.routes_cfg)
 
     def generate_chunks(self, chunks: Sequence[Sequence[Request]], sampling: SamplingConfig
                         ) -> list[list[Sample] | BaseException]:
