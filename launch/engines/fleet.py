@@ -266,7 +266,8 @@ class FleetEngine:
                 self.router.client.close()
                 self.router.client = SGLangClient(url, self.timeout_s, 1)
                 self.router.wait_for(urls, self.recovery.start_timeout_s)
-                old, self.client = self.client, SGLangClient(url, self.timeout_s, self.max_inflight, routes_cfg=self.cfg)
+                old, self.client = self.client, SGLangClient(url, self.timeout_s, self.max_inflight,
+                                                             routes_cfg=self.cfg)
                 old.close()
                 self.restarts["router"] += 1
                 print(f"rollout fleet: the router died; restarted at {url} over {len(urls)} server(s)",
