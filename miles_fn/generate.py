@@ -83,17 +83,9 @@ def generate_rows(
     key_valid = torch.arange(total)[None] >= (lp - lens)[:, None]
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
 
-    # Prefill each distinct prompt once (a GRPO batch repeats every prompt group-size times) and
-    # copy its cache rows and last logits to the requests that share it.
-    first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
-    src: list[int] = []  # the first request of each distinct prompt
-    row_of: list[int] = []  # each request's distinct prompt
-    for i, p in enumerate(prompts):
-        row_of.append(first.setdefault(tuple(p), len(first)))
-        if row_of[-1] == len(src):
-            src.append(i)
-    causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
-    mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
+    # Prefill each distinct prompt once and copy its cache rows and last logits to the requests that share it.
+    row_of, src = distinct_prompts(prompts)
+    mask = prefill_mask(key_valid, lp)
     cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
     routes: list | None = [] if cfg.num_experts else None  # prefill's MoE routes, then each step's
     if len(src) == b:
@@ -169,6 +161,25 @@ def generate_rows(
     per_row = [torch.cat([prompt_routes[i, lp - int(lens[i]):], steps[i, : max(len(t) - 1, 0)]]).to(torch.int32)
                for i, t in enumerate(gen.tokens)]
     return gen._replace(routed_experts=per_row)
+
+
+def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(each request's distinct prompt, the first request of each distinct prompt): a GRPO batch repeats
+    every prompt group-size times, so the prefill runs each once."""
+    first: dict[tuple[int, ...], int] = {}
+    row_of: list[int] = []
+    src: list[int] = []
+    for i, p in enumerate(prompts):
+        row_of.append(first.setdefault(tuple(p), len(first)))
+        if row_of[-1] == len(src):
+            src.append(i)
+    return row_of, src
+
+
+def prefill_mask(key_valid: torch.Tensor, lp: int) -> torch.Tensor:
+    """The left-padded prompts' causal mask [B, lp, lp]; a padding query sees itself (no empty softmax row)."""
+    causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
+    return (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
 
 
 def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig

@@ -35,7 +35,7 @@ import ops
 from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
-from miles_fn.generate import Generation
+from miles_fn.generate import Generation, distinct_prompts, prefill_mask
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
 
 # The draft's numbers only decide what is proposed, never what is emitted: the fast reference ops.
@@ -117,15 +117,8 @@ def _prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[
     Each distinct prompt runs once (a GRPO batch repeats each prompt group-size times), as in generate.
     """
     b, lp = prompt_tok.shape
-    row_of: list[int] = []
-    first: dict[tuple[int, ...], int] = {}
-    src: list[int] = []
-    for i, p in enumerate(prompts):
-        row_of.append(first.setdefault(tuple(p), len(first)))
-        if row_of[-1] == len(src):
-            src.append(i)
-    causal = torch.tril(torch.ones(lp, lp, dtype=torch.bool))
-    mask = (causal[None] & key_valid[:, None, :lp]) | torch.eye(lp, dtype=torch.bool)[None]
+    row_of, src = distinct_prompts(prompts)
+    mask = prefill_mask(key_valid, lp)
     cache = model.new_kv_cache(cfg, b, width, params["embed"].dtype)
     if len(src) == b:
         logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=oc)[:, -1]
