@@ -392,6 +392,13 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
                             f"another directory") from e
     setup_torch(cfg)
     job = build(cfg)
+    try:
+        return _run_job(job)
+    finally:
+        job.engine.close()  # the servers (and router) the run started stop with it, also on an error
+
+
+def _run_job(job: Job) -> dict[str, Any]:
     cfg = job.cfg
     if cfg.repro.resume:
         restore(job)
