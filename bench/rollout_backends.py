@@ -79,9 +79,7 @@ def main() -> None:
 
 
 def hf_tensors(cfg, params):
-    from launch.engines.remote import hf_named_tensors
-
-    return list(hf_named_tensors(cfg, params).values())
+    return list(hf.named_tensors(cfg, params).values())
 
 
 if __name__ == "__main__":

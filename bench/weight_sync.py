@@ -20,7 +20,7 @@ import torch
 
 from launch.engines.base import make_requests
 from launch.engines.embedded import EmbeddedEngine
-from launch.engines.remote import ServerProcess, disk_sync, hf_named_tensors, tensor_sync
+from launch.engines.remote import ServerProcess, disk_sync, tensor_sync
 from launch.engines.sglang_client import SGLangClient
 from launch.engines.weight_group import DistributedSync
 from miles_fn import model, prng
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> str:
         dist.reset(client)
         client.close()
         proc.stop()
-    floats = sum(t.numel() for t in hf_named_tensors(cfg, params).values())
+    floats = sum(t.numel() for t in hf.named_tensors(cfg, params).values())
     lines = [f"| --rollout_weight_sync | s per update (median of {args.repeats}) | MB/s |", "| --- | --- | --- |"]
     lines += [f"| {n} | {s:.3f} | {floats * 4 / s / 1e6:.0f} |" for n, s in rows]
     lines.append(f"{floats / 1e6:.1f} M float32 weights, one CPU server on 127.0.0.1; samples checked after each")

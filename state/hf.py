@@ -64,6 +64,18 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[Any, ...]]:
     return names
 
 
+def named_tensors(cfg: ModelConfig, params: Params) -> dict[str, torch.Tensor]:
+    """Every weight under its weight_names name (detached views, not copies): what export writes and what
+    a weight update to a server carries."""
+    out = {}
+    for name, where in weight_names(cfg).items():
+        node = params
+        for w in where:
+            node = node[w]
+        out[name] = node.detach()
+    return out
+
+
 def _read_experts(path: str, tensors: dict[str, torch.Tensor], i: int, e: int) -> dict[str, torch.Tensor]:
     """Layer i's stacked experts from per-expert tensors or the fused form (popped from `tensors`)."""
     pre = f"model.layers.{i}.mlp.experts."
@@ -144,16 +156,7 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig,
 def save_hf(path: str, cfg: ModelConfig, params: Params, dtype: torch.dtype = torch.float32) -> None:
     """Write config.json + model.safetensors that transformers' from_pretrained loads."""
     os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for name, where in hf_names(cfg).items():
-        node = params
-        for w in where:
-            node = node[w]
-        tensors[name] = node.detach().to(dtype).contiguous().clone()
-    for i in cfg.moe_layers:
-        for ours, theirs in _EXPERT_NAMES.items():
-            for j, w in enumerate(params["layers"][i][ours]):
-                tensors[f"model.layers.{i}.mlp.experts.{j}.{theirs}.weight"] = w.detach().to(dtype).contiguous().clone()
+    tensors = {name: t.to(dtype).contiguous().clone() for name, t in named_tensors(cfg, params).items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_dict(cfg), f, indent=2)

@@ -12,7 +12,7 @@ import torch
 
 from launch.engines.base import EngineError, Request, make_requests, request_seed, seed_keys
 from launch.engines.embedded import EmbeddedEngine
-from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, hf_named_tensors, tensor_sync
+from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, tensor_sync
 from launch.engines.sglang_api import TENSOR_FORMAT, encode_tensors, parse_generate_reply
 from launch.rollout_server import server_ops
 from miles_fn import model, prng
@@ -220,7 +220,7 @@ def test_server_that_cannot_start_names_its_log(tmp_path):
 
 def test_bad_requests_are_refused_naming_the_field_and_pickle_is_never_read(server):
     _, url = server
-    named = hf_named_tensors(CFG, params_for(1))
+    named = hf.named_tensors(CFG, params_for(1))
     cases = [
         ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_tensors(named)], "load_format": None,
                                          "weight_version": "1"}, "load_format"),

@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from launch.engines.base import EngineError, Request, Sample, chunked
 from launch.engines.sglang_client import ConnectionDropped, ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
@@ -101,17 +99,6 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
-
-
-def hf_named_tensors(cfg: ModelConfig, params: Any) -> dict[str, torch.Tensor]:
-    """The weights under their Hugging Face names (what SGLang-style weight updates carry), one per expert."""
-    out = {}
-    for name, where in hf.weight_names(cfg).items():
-        node = params
-        for w in where:
-            node = node[w]
-        out[name] = node.detach()
-    return out
 
 
 def check_samples(samples: Sequence[Sample], version: int, vocab_limit: int, who: str) -> None:
@@ -295,7 +282,7 @@ class RemoteEngine:
 
 def tensor_sync(cfg: ModelConfig) -> Callable[[SGLangClient, int, Any], None]:
     def sync(client: SGLangClient, version: int, params: Any) -> None:
-        client.update_weights_from_tensor(hf_named_tensors(cfg, params), version)
+        client.update_weights_from_tensor(hf.named_tensors(cfg, params), version)
 
     return sync
 

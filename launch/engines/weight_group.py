@@ -34,6 +34,7 @@ import torch.distributed as dist
 from launch.engines.base import EngineError
 from launch.engines.sglang_client import ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
+from state import hf
 
 FLAG = "--rollout_weight_sync=distributed"
 
@@ -137,9 +138,7 @@ class DistributedSync:
     groups_formed: int = 0
 
     def __call__(self, client: SGLangClient, version: int, params: Any) -> None:
-        from launch.engines.remote import hf_named_tensors
-
-        named = hf_named_tensors(self.cfg, params)
+        named = hf.named_tensors(self.cfg, params)
         backend = self.backend or ("nccl" if next(iter(named.values())).is_cuda else "gloo")
         tensors = {k: (v if backend == "nccl" else v.cpu()).contiguous() for k, v in named.items()}
         if self.pg is None or self.url != client.url:
