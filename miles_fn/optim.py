@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+import optree
 import torch
 
 from state.train_state import AdamWState
@@ -80,13 +81,29 @@ def adamw_update(
     t = int(state.count) + 1
     bc1 = 1.0 - cfg.beta1**t
     bc2_sqrt = math.sqrt(1.0 - cfg.beta2**t)
-    mu = tree_map(lambda m, g: m * cfg.beta1 + g.to(torch.float32) * (1.0 - cfg.beta1), state.mu, grads)
-    nu = tree_map(lambda v, g: v * cfg.beta2 + (g.to(torch.float32) ** 2) * (1.0 - cfg.beta2), state.nu, grads)
+    decay = 1.0 - lr * cfg.weight_decay
 
-    def step(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        p32 = p.to(torch.float32) * (1.0 - lr * cfg.weight_decay)
-        denom = v.sqrt() / bc2_sqrt + cfg.eps
-        return (p32 - (lr / bc1) * (m / denom)).to(p.dtype)
+    def leaf(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The formula above, one rounding per operation in this order, computed into three fresh buffers
+        # (the new moments and the new param) plus nothing else: in-place writes go only to tensors made
+        # here, so the inputs are untouched. Fewer buffers is what makes it fast: on CPU a fresh large
+        # tensor costs a page fault per 4 KiB, which dominated the version with one temporary per op.
+        g = g.to(torch.float32)
+        tmp = torch.mul(g, 1.0 - cfg.beta1)
+        new_m = torch.mul(m, cfg.beta1).add_(tmp)
+        torch.mul(g, g, out=tmp).mul_(1.0 - cfg.beta2)
+        new_v = torch.mul(v, cfg.beta2).add_(tmp)
+        torch.sqrt(new_v, out=tmp).div_(bc2_sqrt).add_(cfg.eps)
+        torch.div(new_m, tmp, out=tmp).mul_(lr / bc1)
+        p32 = p.to(torch.float32)
+        if decay != 1.0:
+            p32 = p32 * decay
+        new_p = torch.sub(p32, tmp, out=tmp) if p.dtype == torch.float32 else (p32 - tmp).to(p.dtype)
+        return new_p, new_m, new_v
 
-    new_params = tree_map(step, params, mu, nu)
-    return new_params, AdamWState(count=state.count + 1, mu=mu, nu=nu)
+    spec = optree.tree_structure(params)
+    new_p, new_m, new_v = zip(*map(leaf, *(spec.flatten_up_to(t) for t in (params, grads, state.mu, state.nu))),
+                              strict=True)
+    return spec.unflatten(new_p), AdamWState(count=state.count + 1, mu=spec.unflatten(new_m),
+                                             nu=spec.unflatten(new_v))
