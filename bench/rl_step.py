@@ -91,43 +91,47 @@ def shared_settings(job: Any) -> dict[str, Any]:
             "fixed_width": int(task.fixed_width), "reverse_answer": int(task.reverse_answer)}
 
 
-def run_miles(start: str, out_dir: str, args: Any, skip_zero_advantage_rows: bool = True
-              ) -> tuple[list[dict[str, float]], float, dict[str, Any]]:
-    """The job's own loop body: launch.main.rollout, the job's update (launch.steps), the weight sync."""
+def train_for(job: Any, seconds: float, max_steps: int) -> list[dict[str, float]]:
+    """The job's own loop body for `seconds` of wall time (at least one step): launch.main.rollout, the job's
+    update (launch.steps), the weight sync of the model the state stands for (merged under --lora_rank)."""
     import time
 
     from launch import main as launch_main
     from launch import steps as launch_steps
     from miles_fn import prng
 
-    job = miles_job(start, out_dir, args, skip_zero_advantage_rows)
     update = launch_steps.make_step_fn(job.cfg, "rl")
     steps: list[dict[str, float]] = []
     t0 = last = time.perf_counter()
     step = 0
-    while (step == 0 or last - t0 < args.seconds) and step < args.max_steps:
+    while (step == 0 or last - t0 < seconds) and step < max_steps:
         key = prng.fold_in(job.state.key, step)
         buf, stats = launch_main.rollout(job, key, None)
+        t_rollout = time.perf_counter() - last
         job.state, metrics = update(job.state, buf, prng.fold_in(key, launch_main.K_TRAIN))
-        job.engine.update_weights(int(job.state.step), job.state.params)
+        job.engine.update_weights(int(job.state.step), launch_main.model_params(job))
         now = time.perf_counter()
         step += 1
-        steps.append({"step": step, "seconds": now - last, "elapsed": now - t0,
+        steps.append({"step": step, "seconds": now - last, "elapsed": now - t0, "rollout_seconds": t_rollout,
                       "reward_mean": float(stats["reward_mean"]),
                       "train_rows_frac": float(metrics.get("train_rows_frac", torch.tensor(1.0)))})
         last = now
+    return steps
+
+
+def run_miles(start: str, out_dir: str, args: Any, skip_zero_advantage_rows: bool = True
+              ) -> tuple[list[dict[str, float]], float, dict[str, Any]]:
+    job = miles_job(start, out_dir, args, skip_zero_advantage_rows)
+    from launch import main as launch_main
+
+    steps = train_for(job, args.seconds, args.max_steps)
     return steps, launch_main.evaluate(job), shared_settings(job)
 
 
-def run_trl(python: str, start: str, tmp: str, args: Any, settings: dict[str, Any]
-            ) -> tuple[list[dict[str, float]], float, str]:
-    from launch import main as launch_main
-    from state import hf
-
+def trl_process(python: str, tmp: str, argv: Sequence[str]) -> tuple[dict[str, Any], str]:
+    """Run bench.trl_grpo under `python` with `argv`; returns its JSON and the directory of its saved model."""
     out, model_dir, log = (os.path.join(tmp, n) for n in ("trl.json", "trl_model", "trl.log"))
-    cmd = [python, "-m", "bench.trl_grpo", f"--model={start}", f"--seconds={args.seconds}",
-           f"--max_steps={args.max_steps}", f"--threads={args.threads}", f"--save_model={model_dir}", f"--out={out}",
-           *(f"--{k}={v}" for k, v in settings.items())]
+    cmd = [python, "-m", "bench.trl_grpo", f"--save_model={model_dir}", f"--out={out}", *argv]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as f:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -136,7 +140,17 @@ def run_trl(python: str, start: str, tmp: str, args: Any, settings: dict[str, An
             tail = f.read()[-3000:]
         raise RuntimeError(f"the TRL side failed ({' '.join(cmd)}), exit {p.returncode}:\n{tail}")
     with open(out) as f:
-        result = json.load(f)
+        return json.load(f), model_dir
+
+
+def run_trl(python: str, start: str, tmp: str, args: Any, settings: dict[str, Any]
+            ) -> tuple[list[dict[str, float]], float, str]:
+    from launch import main as launch_main
+    from state import hf
+
+    result, model_dir = trl_process(python, tmp, [
+        f"--model={start}", f"--seconds={args.seconds}", f"--max_steps={args.max_steps}", f"--threads={args.threads}",
+        *(f"--{k}={v}" for k, v in settings.items())])
     job = miles_job(start, os.path.join(tmp, "trl_eval"), args)
     _, params = hf.load_hf(model_dir)
     job.engine.update_weights(0, params)
