@@ -6,6 +6,7 @@ for the reference, so nothing of the conversion is on the reference's side.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -161,3 +162,26 @@ def test_seeded_resumed_and_true_on_policy_on_the_real_model(converted, tmp_path
     assert resumed == straight and resumed_hash == straight_hash
     assert all(r[k] == 0.0 for r in straight for k in ("mismatch_mean", "mismatch_max", "mismatch_k3"))
     assert [r["step"] for r in straight] == [1, 2] and all(0.0 <= r["reward_mean"] <= 1.0 for r in straight)
+
+
+@pytest.mark.parametrize("with_trl", [False, pytest.param(True, marks=pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install 'miles-fn[bench]')"))])
+def test_real_rl_step_bench_runs(converted, tmp_path, with_trl):
+    """bench.real_rl_step's --quick run: both trainers take a step in each mode, and TRL's merged LoRA model
+    is scored by miles-fn's evaluator (the figures themselves are not asserted)."""
+    from bench import real_rl_step
+
+    cache, _ = converted
+    modes = "full,lora" if with_trl else "lora"
+    out = real_rl_step.main(["--quick", f"--modes={modes}", f"--model_cache_dir={cache}",
+                             f"--out={tmp_path / 'r.json'}", *([] if with_trl else ["--no_trl"])])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["modes"]) == set(modes.split(","))
+    lora = saved["modes"]["lora"]
+    assert lora["settings"]["lora_rank"] == 8 and lora["settings"]["lora_targets"].count("_proj") == 7
+    for r in saved["modes"].values():
+        assert r["miles_fn"]["steps"] == 1 and 0 <= r["miles_fn"]["eval_success"] <= 1
+        assert (r["trl"] is not None) is with_trl
+        if with_trl:
+            assert r["trl"]["steps"] == 1 and 0 <= r["trl"]["eval_success"] <= 1 and r["step_ratio"] > 0
+    assert "miles-fn" in out["table"]
