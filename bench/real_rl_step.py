@@ -151,21 +151,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for m, r in results.items():
         ours, theirs = r["miles_fn"], r["trl"]
         label = "full fine-tune" if m == "full" else f"LoRA r={args.lora_rank}, all 7 targets"
-        rows.append([f"{label}: miles-fn (trained {ours['train_rows_frac_mean']:.0%} of rows)",
-                     ours["seconds_per_step"], ours["samples_per_s"], ours["steps"], ours["reward_at_budget"],
-                     ours["eval_success"]])
+        rows.append(rl_step.table_row(f"{label}: miles-fn (trained {ours['train_rows_frac_mean']:.0%} of rows)", ours))
         if theirs is not None:
-            rows.append([f"{label}: TRL {r['trl_version']} GRPOTrainer", theirs["seconds_per_step"],
-                         theirs["samples_per_s"], theirs["steps"], theirs["reward_at_budget"], theirs["eval_success"]])
-            rows.append([f"{label}: ratio (miles-fn / TRL)", f"{r['step_ratio']:.2f}x",
-                         f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x", "", "", ""])
+            rows += [rl_step.table_row(f"{label}: TRL {r['trl_version']} GRPOTrainer", theirs),
+                     rl_step.ratio_row(f"{label}: ratio (miles-fn / TRL)", ours, theirs)]
     table = common.print_table(
         f"RL step on SmolLM2-135M-Instruct (float32): GRPO on chat arithmetic, {args.prompts_per_step} prompts x "
         f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g} (LoRA {args.lora_lr:g}), "
         f"{args.seconds:.0f} s each from the instruct model (held-out success {start_success:.3f}), "
         f"{args.threads} thread(s)",
-        ["trainer", "s/step (median)", "samples/s", "steps in budget", f"reward (last {rl_step.LAST} steps)",
-         "held-out success at end"], rows)
+        rl_step.HEADER, rows)
     out = {"benchmark": "real_rl_step", "model": NAME, "machine": common.machine_info(args.threads),
            "quick": args.quick, "args": {k: v for k, v in vars(args).items() if k not in ("out",)},
            "start_eval_success": start_success, "modes": results, "trl_skipped": python is None, "table": table}

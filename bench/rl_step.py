@@ -157,6 +157,21 @@ def run_trl(python: str, start: str, tmp: str, args: Any, settings: dict[str, An
     return result["steps"], launch_main.evaluate(job), result["trl"]
 
 
+HEADER = ["trainer", "s/step (median)", "samples/s", "steps in budget", f"reward (last {LAST} steps)",
+          "held-out success at end"]
+
+
+def table_row(label: str, c: dict[str, Any]) -> list[Any]:
+    """One contender's row under HEADER."""
+    return [label, c["seconds_per_step"], c["samples_per_s"], c["steps"], c["reward_at_budget"], c["eval_success"]]
+
+
+def ratio_row(label: str, ours: dict[str, Any], theirs: dict[str, Any]) -> list[Any]:
+    """Per-step and samples/s ratios of two contenders under HEADER."""
+    return [label, f"{theirs['seconds_per_step'] / ours['seconds_per_step']:.2f}x",
+            f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x", "", "", ""]
+
+
 def summarise(steps: list[dict[str, float]], samples_per_step: int, seconds: float) -> dict[str, Any]:
     per_step = common.median([s["seconds"] for s in steps])
     inside = [s for s in steps if s["elapsed"] <= seconds] or steps[:1]
@@ -209,25 +224,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     names = {"miles_fn": f"miles-fn (default; trained {ours['train_rows_frac_mean']:.0%} of rows, the rest have "
                          f"advantage 0)",
              "miles_fn_all_rows": "miles-fn, every row trained (--noskip_zero_advantage_rows)"}
-    rows = [[names[k], c["seconds_per_step"], c["samples_per_s"], c["steps"], c["reward_at_budget"], c["eval_success"]]
-            for k, c in contenders.items()]
+    rows = [table_row(names[k], c) for k, c in contenders.items()]
     ratio = dense_ratio = None
     if theirs is not None:
         ratio = theirs["seconds_per_step"] / ours["seconds_per_step"]
         dense_ratio = theirs["seconds_per_step"] / dense["seconds_per_step"]
-        rows.append([f"TRL {trl_version} GRPOTrainer", theirs["seconds_per_step"], theirs["samples_per_s"],
-                     theirs["steps"], theirs["reward_at_budget"], theirs["eval_success"]])
-        rows.append(["ratio (miles-fn default / TRL)", f"{ratio:.2f}x",
-                     f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x", "", "", ""])
-        rows.append(["ratio (miles-fn every row / TRL)", f"{dense_ratio:.2f}x",
-                     f"{dense['samples_per_s'] / theirs['samples_per_s']:.2f}x", "", "", ""])
+        rows += [table_row(f"TRL {trl_version} GRPOTrainer", theirs),
+                 ratio_row("ratio (miles-fn default / TRL)", ours, theirs),
+                 ratio_row("ratio (miles-fn every row / TRL)", dense, theirs)]
     table = common.print_table(
         f"RL step: GRPO on {settings['task_digits']}-digit addition, {settings['prompts_per_step']} prompts x "
         f"{settings['group_size']} samples, lr {settings['lr']:g}, "
         f"{args.seconds:.0f} s each from the same start (held-out success {start_success:.3f}), "
         f"{args.threads} thread(s)",
-        ["trainer", "s/step (median)", "samples/s", "steps in budget", f"reward (last {LAST} steps)",
-         "held-out success at end"], rows)
+        HEADER, rows)
     out = {"benchmark": "rl_step", "machine": common.machine_info(args.threads), "quick": args.quick,
            "args": {k: v for k, v in vars(args).items() if k not in ("out",)}, "settings": settings,
            "start_eval_success": start_success,
