@@ -31,6 +31,10 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,
 _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 _LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
+_PACKED = ("wqkv", "wo", "wgu", "w_down")  # the layer matrices mf_pack takes (and the output layer)
+# From 2 rows MKL's sgemm re-packs each weight panel at every call; one row is a GEMV, which does not.
+# MILES_FN_DECODE_PACK=0 turns the packing off (for comparisons).
+PACK_MIN_ROWS = 2
 
 
 class _Model(ctypes.Structure):
@@ -42,6 +46,7 @@ class _Model(ctypes.Structure):
         + [("k_cache", _PP), ("v_cache", _PP), ("key_valid", ctypes.POINTER(ctypes.c_uint8)),
            ("cos", _P), ("sin", _P)]
         + [(n, _P) for n in ("x", "h", "qkv", "att", "gu", "scores")]
+        + [("lm_head_p", _P)] + [(f"{n}_p", _PP) for n in _PACKED]
     )
 
 
@@ -95,6 +100,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                                 ctypes.c_int64, ctypes.c_int64, i64p, _P, i64p, _P,
                                 ctypes.POINTER(ctypes.c_uint8), i64p]
     lib.mf_generate.restype = ctypes.c_int
+    lib.mf_pack_available.argtypes = []
+    lib.mf_pack_available.restype = ctypes.c_int
+    lib.mf_pack_size.argtypes = [ctypes.c_int64] * 3
+    lib.mf_pack_size.restype = ctypes.c_int64
+    lib.mf_pack.argtypes = [ctypes.c_int64] * 3 + [_P, _P]
+    lib.mf_pack.restype = None
     lib.mf_max_head_dim.argtypes = []
     lib.mf_max_head_dim.restype = ctypes.c_int64
     return lib, ""
@@ -167,6 +178,18 @@ def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
             "wgu": torch.cat([layer["w_gate"], layer["w_up"]]).contiguous(), "w_down": layer["w_down"].contiguous()}
 
 
+def _pack(lib: ctypes.CDLL, w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w [n, k] packed by MKL for products x [rows, k] @ w.T (a float32 buffer of MKL's size)."""
+    n, k = w.shape
+    buf = torch.empty((lib.mf_pack_size(rows, n, k) + 3) // 4)
+    lib.mf_pack(rows, n, k, _ptr(w), _ptr(buf))
+    return buf
+
+
+def packs(lib: ctypes.CDLL, rows: int) -> bool:
+    return rows >= PACK_MIN_ROWS and bool(lib.mf_pack_available()) and os.environ.get("MILES_FN_DECODE_PACK") != "0"
+
+
 class DecodePlan:
     """The kernel's view of one generate call: pointers to the weights, caches and tables, plus scratch.
 
@@ -206,6 +229,16 @@ class DecodePlan:
             lm_head=_ptr(head),
             key_valid=ctypes.cast(self.key_valid.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
             cos=_ptr(self.cos), sin=_ptr(self.sin), **arrays, **{n: _ptr(t) for n, t in scratch.items()})
+        if packs(lib, b):  # once per generate call: ~one pass over the weights, then every step skips it
+            packed = {n: [_pack(lib, layer[n], b) for layer in layers] for n in _PACKED}
+            head_p = _pack(lib, head, b)
+            self._keep += [packed, head_p]
+            parrays = {f"{n}_p": _ptrs(ts) for n, ts in packed.items()}
+            self._keep.append(parrays)
+            for n, v in parrays.items():
+                setattr(self._model, n, v)
+            self._model.lm_head_p = _ptr(head_p)
+        self.packed = packs(lib, b)
         self._logits_ptr = _ptr(self.logits)
         self._work = torch.empty(2 * cfg.vocab_size)
         self._work_ptr = _ptr(self._work)

@@ -141,3 +141,27 @@ def test_plan_rejects_steps_and_tokens_outside_it(hf_models):
         plan.step(torch.tensor([1, 2]), 1, 10)
     with pytest.raises(ValueError, match="int64 of shape"):
         plan.step(torch.tensor([1, 2, 3]), 1, 7)
+
+
+@needs_kernel
+def test_multi_row_plans_use_weights_packed_once_with_the_same_logits(hf_models, monkeypatch):
+    """From 2 rows the plan packs its matrices once (MKL's packed GEMM, where torch's BLAS has it); the step's
+    logits equal the unpacked sgemm path's to float32 rounding. Their match with float64 is the tests above."""
+    _, path = hf_models[("llama", False)]
+    cfg, params = hf.load_hf(path)
+    lib, _ = decode_cpu._library()
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(3, 4), cfg.dim_head, cfg.rope_theta)
+
+    def step(rows):
+        cache = model.new_kv_cache(cfg, rows, 10)
+        plan = decode_cpu.DecodePlan(params, cfg, cache, torch.ones(rows, 10, dtype=torch.bool), cos[:rows, 0],
+                                     sin[:rows, 0])
+        return plan, plan.step(torch.tensor([1, 2, 3][:rows]), 0, 6).clone()
+
+    assert not step(1)[0].packed
+    packed_plan, packed = step(3)
+    assert packed_plan.packed is bool(lib.mf_pack_available())
+    monkeypatch.setenv("MILES_FN_DECODE_PACK", "0")
+    plain_plan, plain = step(3)
+    assert not plain_plan.packed
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)

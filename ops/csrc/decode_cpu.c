@@ -15,6 +15,16 @@ extern void sgemm_(const char *transa, const char *transb, const int *m, const i
                    const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
                    const float *beta, float *c, const int *ldc);
 
+/* MKL's packed GEMM (in the MKL torch links on x86): a weight packed once per generate call instead of
+ * inside every multi-row sgemm_, which re-packs the whole weight panel at each call. Weak, so that the
+ * library still loads against a BLAS without them; mf_pack_available says which it got. */
+extern size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+extern void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                             const float *src, int ld, float *dest) __attribute__((weak));
+extern void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float *a, int lda,
+                                const float *b, int ldb, float beta, float *c, int ldc) __attribute__((weak));
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, PACKED = 151, B_MATRIX = 162 };
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 #define MAX_HEAD_DIM 1024  /* rope's scratch; Python reads it from mf_max_head_dim */
@@ -29,6 +39,9 @@ typedef struct {
     const uint8_t *key_valid;            /* [B, S]: 0 at left padding */
     const float *cos, *sin;              /* [B, n_new, D]: rope_tables' cos and signed sin */
     float *x, *h, *qkv, *att, *gu, *scores;  /* scratch: [B,H] [B,H] [B,nq+2nkv] [B,nq] [B,2I] [S] */
+    /* mf_pack'ed copies of the matrices for B rows, or NULL (then sgemm_ on the plain ones) */
+    const float *lm_head_p;
+    const float **wqkv_p, **wo_p, **wgu_p, **w_down_p;
 } Model;
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
@@ -72,12 +85,29 @@ static inline v8 exp8(v8 x) {
     return (v8)((((i8)y + (n << 23)) & keep) | nan);  /* all bits set: a NaN */
 }
 
-/* y[rows, n] (row stride ldy) = x[rows, k] w[n, k]^T (+ y when accumulate): the transposed column-major GEMM. */
-static void linear(const float *x, const float *w, float *y, int64_t rows, int64_t n, int64_t k, int64_t ldy,
-                   int accumulate) {
-    const int m_ = (int)n, n_ = (int)rows, k_ = (int)k, ldc = (int)ldy;
+/* y[rows, n] (row stride ldy) = x[rows, k] (row stride ldx) w[n, k]^T (+ y when accumulate): the transposed
+ * column-major GEMM, or MKL's compute on `packed` (w packed by mf_pack for these rows) when given. */
+static void linear(const float *x, int64_t ldx, const float *w, const float *packed, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t ldy, int accumulate) {
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    sgemm_("T", "N", &m_, &n_, &k_, &one, w, &k_, x, &k_, &beta, y, &ldc);
+    if (packed) {
+        cblas_sgemm_compute(ROW_MAJOR, NO_TRANS, PACKED, (int)rows, (int)n, (int)k, x, (int)ldx, packed, (int)k,
+                            beta, y, (int)ldy);
+        return;
+    }
+    const int m_ = (int)n, n_ = (int)rows, k_ = (int)k, lda = (int)k, ldb = (int)ldx, ldc = (int)ldy;
+    sgemm_("T", "N", &m_, &n_, &k_, &one, w, &lda, x, &ldb, &beta, y, &ldc);
+}
+
+int mf_pack_available(void) { return cblas_sgemm_pack_get_size && cblas_sgemm_pack && cblas_sgemm_compute; }
+
+/* Bytes of w [n, k] packed as the right-hand matrix of a product with `rows` rows. */
+int64_t mf_pack_size(int64_t rows, int64_t n, int64_t k) {
+    return (int64_t)cblas_sgemm_pack_get_size(B_MATRIX, (int)rows, (int)n, (int)k);
+}
+
+void mf_pack(int64_t rows, int64_t n, int64_t k, const float *w, float *dest) {
+    cblas_sgemm_pack(ROW_MAJOR, B_MATRIX, TRANS, (int)rows, (int)n, (int)k, 1.0f, w, (int)k, dest);
 }
 
 static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
@@ -201,7 +231,7 @@ int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col
     for (int64_t r = 0; r < B; r++) memcpy(m->x + r * H, m->embed + tokens[r] * H, (size_t)H * sizeof(float));
     for (int64_t l = 0; l < m->layers; l++) {
         rms_norm(m->x, m->attn_norm[l], m->h, B, H, m->eps);
-        linear(m->h, m->wqkv[l], m->qkv, B, ld, H, ld, 0);
+        linear(m->h, H, m->wqkv[l], m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, B, ld, H, ld, 0);
         for (int64_t r = 0; r < B; r++) {
             float *row = m->qkv + r * ld;
             if (m->bqkv[l])
@@ -215,17 +245,15 @@ int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col
             }
         }
         attend(m, l, col);
-        linear(m->att, m->wo[l], m->x, B, H, nq, H, 1);  /* x += attention output */
+        linear(m->att, nq, m->wo[l], m->wo_p ? m->wo_p[l] : NULL, m->x, B, H, nq, H, 1);  /* x += attention output */
         rms_norm(m->x, m->mlp_norm[l], m->h, B, H, m->eps);
-        linear(m->h, m->wgu[l], m->gu, B, 2 * I, H, 2 * I, 0);
+        linear(m->h, H, m->wgu[l], m->wgu_p ? m->wgu_p[l] : NULL, m->gu, B, 2 * I, H, 2 * I, 0);
         swiglu(m->gu, B, I);
         /* x += MLP output: the gate halves of gu are the [B, I] input at row stride 2I */
-        const int m_ = (int)H, n_ = (int)B, k_ = (int)I, lda = (int)I, ldb = (int)(2 * I), ldc = (int)H;
-        const float one = 1.0f;
-        sgemm_("T", "N", &m_, &n_, &k_, &one, m->w_down[l], &lda, m->gu, &ldb, &one, m->x, &ldc);
+        linear(m->gu, 2 * I, m->w_down[l], m->w_down_p ? m->w_down_p[l] : NULL, m->x, B, H, I, H, 1);
     }
     rms_norm(m->x, m->final_norm, m->h, B, H, m->eps);
-    linear(m->h, m->lm_head, logits, B, m->vocab, H, m->vocab, 0);
+    linear(m->h, H, m->lm_head, m->lm_head_p, logits, B, m->vocab, H, m->vocab, 0);
     return 0;
 }
 
