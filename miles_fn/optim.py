@@ -10,7 +10,7 @@ import optree
 import torch
 
 from state.train_state import AdamWState
-from state.tree import global_norm, tree_map
+from state.tree import global_norm, tree_leaves, tree_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +52,41 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def clip_by_global_norm(grads: Any, max_norm: float) -> tuple[Any, torch.Tensor]:
+def clip_by_global_norm(grads: Any, max_norm: float, norm: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
     """Scale grads by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does.
 
-    Returns (clipped grads, the norm before clipping).
+    norm: the global norm when the caller computed it (`norm_from_row_sums`: a sharded or fixed-order
+    step); by default `global_norm` of grads. Returns (clipped grads, the norm before clipping).
     """
-    norm = global_norm(grads)
+    norm = global_norm(grads) if norm is None else norm
     if max_norm <= 0:
         return grads, norm
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return tree_map(lambda g: g * scale.to(g.dtype), grads), norm
+
+
+def row_sums_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """float64 sum of squares of each dim-0 row of x (a 0-d x is one row).
+
+    A row's sum is computed alike whether x is a whole leaf or a Shard(0) slice of its rows, so a norm
+    built from these (`norm_from_row_sums`) does not depend on how the rows are split over ranks.
+    float32 squares are exact in float64.
+    """
+    x = x.detach().reshape(1, 1) if x.dim() == 0 else x.detach().reshape(x.shape[0], math.prod(x.shape[1:]))
+    return x.to(torch.float64).pow(2).sum(dim=1)
+
+
+def norm_from_row_sums(row_sums: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 global norm from each leaf's whole vector of row sums, reduced in leaf order."""
+    total = torch.zeros((), dtype=torch.float64)
+    for r in row_sums:
+        total = total + r.sum()
+    return torch.sqrt(total).to(torch.float32)
+
+
+def global_norm_by_rows(grads: Any) -> torch.Tensor:
+    """The global norm through per-row sums: the same bits as a sharded step's (sharding.dp_train_step_tiles)."""
+    return norm_from_row_sums([row_sums_of_squares(g) for g in tree_leaves(grads) if isinstance(g, torch.Tensor)])
 
 
 def adamw_init(params: Any) -> AdamWState:

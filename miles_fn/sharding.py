@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from optree import tree_map
+from optree import tree_flatten, tree_map, tree_unflatten
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -129,40 +129,207 @@ def _leaves(tree: Any) -> list[Any]:
     return tree_leaves(tree)
 
 
-def rank_batch(buf: Any, rank: int, world: int) -> Any:
-    """Rank's whole groups of buf as one PackedBatch (one sample a row, the batch's full width) that
-    carries the whole batch's loss-token and sample counts: the loss divides by the global counts and
-    its metrics are this rank's shares of the global means (packing.token_share), so they sum over ranks."""
+def rank_buffer(buf: Any, rank: int, world: int) -> Any:
+    """Rank's whole groups of buf (`rank_rows`), carrying the whole batch's loss-token and sample counts: the
+    loss divides by the global counts and its metrics are this rank's shares of the global means
+    (packing.token_share), so losses, gradients and metrics sum over ranks to the whole batch's."""
     from miles_fn import packing
     from miles_fn.rollout_buffer import _ROW_FIELDS
 
     num_tokens, num_samples = packing.whole_batch_counts(buf)
     rows = rank_rows(buf.group_ids, rank, world)
-    local = buf._replace(num_tokens=num_tokens, num_samples=num_samples,
-                         **{f: getattr(buf, f)[rows] for f in _ROW_FIELDS if getattr(buf, f) is not None})
+    return buf._replace(num_tokens=num_tokens, num_samples=num_samples,
+                        **{f: getattr(buf, f)[rows] for f in _ROW_FIELDS if getattr(buf, f) is not None})
+
+
+def rank_batch(buf: Any, rank: int, world: int) -> Any:
+    """`rank_buffer` as one PackedBatch (one sample a row, the batch's full width)."""
+    from miles_fn import packing
+
+    local = rank_buffer(buf, rank, world)
     (mb,) = packing.pad(local, local.tokens.shape[1] * local.tokens.shape[0])
     return mb
 
 
 def dp_train_step(state: Any, buf: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
                   mesh: DeviceMesh) -> tuple[Any, dict[str, torch.Tensor]]:
-    """One data-parallel update of a TrainState: the same update as train.train_step on the whole batch.
+    """One data-parallel update of a TrainState on the whole batch buf: train.train_step's update, to rounding."""
+    return dp_train_step_accumulated(state, [rank_batch(buf, mesh.get_local_rank(), mesh.size())], key, loss_fn,
+                                     optim_cfg, mesh)
+
+
+def dp_train_step_accumulated(state: Any, micro_batches: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
+                              mesh: DeviceMesh, max_oom_splits: int = 0,
+                              log: Callable[[str], None] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One data-parallel update from this rank's micro-batches (of its `rank_buffer`, global counts).
 
     Takes and returns sharded params / AdamW moments (plain leaves are sharded first, so a replicated
-    state works too). Rank r computes the loss of its groups against the gathered params; DTensor's
-    backward reduce-scatters the partial gradients into the shards; clipping's global norm is the
-    DTensor sum over shards; AdamW runs elementwise on the shards. The loss and metrics are all-reduced
-    before the finiteness check, so every rank takes the same branch.
+    state works too). Each micro-batch's loss runs on the gathered params; DTensor's backward
+    reduce-scatters the partial gradients into the shards; clipping's global norm is the DTensor sum
+    over shards; AdamW runs elementwise on the shards. The loss and metrics are all-reduced before
+    the finiteness check, so every rank takes the same branch. Equal to one process to float32
+    rounding: the reduction order follows the backend (`dp_train_step_tiles` is the bitwise one).
     """
     from miles_fn import train
 
-    rank, world = mesh.get_local_rank(), mesh.size()
-    state = state._replace(params=shard_tree(state.params, mesh), opt_state=shard_tree(state.opt_state, mesh))
-    mb = rank_batch(buf, rank, world)
-    grads, (loss, aux) = train.loss_and_grad(state.params, mb, key, sharded_loss(loss_fn), use_autograd=True)
-    reduced = all_reduce_metrics({"loss": loss, **aux}, mesh.get_group())
+    state = shard_state(state, mesh)
+    grads, loss, aux, stats = train.accumulate_gradients(state.params, micro_batches, key, sharded_loss(loss_fn),
+                                                         max_oom_splits, log)
+    reduced = all_reduce_metrics({"loss": loss, **aux, **stats}, mesh.get_group())
     loss = reduced.pop("loss")
     state, metrics = train.apply_gradients(state, grads, loss, reduced, optim_cfg)
     metrics = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
-    metrics["state_bytes_per_rank"] = torch.tensor(float(local_bytes((state.params, state.opt_state))))
     return state, metrics
+
+
+def shard_state(state: Any, mesh: DeviceMesh) -> Any:
+    """state with its params and optimizer moments sharded (already sharded leaves stay as they are)."""
+    return state._replace(params=shard_tree(state.params, mesh), opt_state=shard_tree(state.opt_state, mesh))
+
+
+def dp_train_step_tiles(state: Any, tiles: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
+                        mesh: DeviceMesh) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The --true_on_policy update over the batch's fixed gradient tiles: bitwise the same state and
+    metrics at every (power-of-two) world size, and as train.train_step_accumulated(fixed_order=True)
+    in one process.
+
+    Why a hand-written reduce-scatter: a ring or tree reduce-scatter (DTensor's, NCCL's, gloo's) sums
+    the ranks' partial gradients in an order set by the world size, so the bits would move with it.
+    Here the tiles' gradients are summed in the one balanced tree of train.balanced_sum: the T tiles
+    sit in P = max(next power of two of T, W) slots, rank r sums its aligned block of P/W slots (a
+    subtree), and one all_to_all hands rank r the rows it owns of every rank's block sum, which it
+    adds in the same tree in rank order. The norm comes from per-row sums of squares, gathered
+    (optim.norm_from_row_sums); the loss and metrics are the same tree over per-rank vectors.
+    Communication: one all-gather of the params, one all_to_all of the gradient (a reduce-scatter's
+    bytes), two small all-gathers.
+    """
+    from miles_fn import optim, train
+
+    rank, world = mesh.get_local_rank(), mesh.size()
+    if world & (world - 1):
+        raise ValueError(f"--true_on_policy across ranks sums the gradient tiles in a balanced tree, which needs a "
+                         f"power-of-two world size, not {world}; run 1, 2, 4, 8, ... ranks")
+    group = mesh.get_group()
+    state = shard_state(state, mesh)
+    n, block = len(tiles), _block_size(len(tiles), world)
+    present = min(world, -(-n // block))  # ranks whose block holds a tile (the others send zeros)
+    full = gather_tree(state.params)
+    if rank < present:
+        parts = (train.loss_and_grad(full, tiles[i], key, loss_fn) for i in range(rank * block,
+                                                                                   min(n, (rank + 1) * block)))
+        grads, loss, aux = train.balanced_sum(((g, lo, a) for g, (lo, a) in parts), train.add_grads_loss_aux)
+    else:
+        grads, loss, aux = tree_map(torch.zeros_like, full), torch.zeros(()), None
+    del full
+    keys = [None]
+    if rank == 0:
+        keys[0] = [("loss", loss.dtype)] + [(k, aux[k].dtype) for k in sorted(aux)]
+    dist.broadcast_object_list(keys, src=dist.get_global_rank(group, 0), group=group)
+    mine = {"loss": loss, **aux} if aux is not None else None
+    reduced = _gather_tree_sum_scalars(mine, keys[0], world, present, group)
+    loss, aux = reduced.pop("loss"), reduced
+    local_grads = _reduce_scatter_balanced(grads, rank, world, present, group)
+    shapes = [x.shape for x in tree_flatten(state.params)[0]]
+    norm = optim.norm_from_row_sums(_gathered_row_sums(local_grads, shapes, world, group))
+    local_state = state._replace(params=tree_map(_local, state.params), opt_state=tree_map(_local, state.opt_state))
+    new_local, metrics = train.apply_gradients(local_state, local_grads, loss, aux, optim_cfg, norm)
+    new = new_local._replace(params=_like(state.params, new_local.params),
+                             opt_state=_like(state.opt_state, new_local.opt_state))
+    metrics.update(micro_batches=torch.tensor(float(n)), oom_splits=torch.tensor(0.0))
+    return new, metrics
+
+
+def _gather_tree_sum_scalars(mine: dict[str, torch.Tensor] | None, keys: list[tuple[str, torch.dtype]], world: int,
+                             present: int, group: Any) -> dict[str, torch.Tensor]:
+    """Each scalar summed over the present ranks in balanced_sum's tree (keys ending in _max: the max), in its
+    own dtype, so the bits are those of one process summing the same block sums."""
+    from miles_fn import train
+
+    out = {}
+    for dtype in dict.fromkeys(d for _, d in keys):
+        names = [k for k, d in keys if d == dtype]
+        vec = torch.stack([mine[k] for k in names]) if mine is not None else torch.zeros(len(names), dtype=dtype)
+        rows = [torch.empty_like(vec) for _ in range(world)]
+        dist.all_gather(rows, vec.contiguous(), group=group)
+        summed, maxed = train.balanced_sum(rows[:present], torch.add), torch.stack(rows[:present]).amax(dim=0)
+        out.update({k: (maxed if k.endswith("_max") else summed)[i] for i, k in enumerate(names)})
+    return out
+
+
+def _block_size(n: int, world: int) -> int:
+    slots = max(1 << max(n - 1, 0).bit_length(), world)
+    return slots // world
+
+
+def _row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows of a dim-0 size `rows` that rank holds: torch.chunk's (and DTensor Shard(0)'s) split."""
+    size = -(-rows // world) if rows else 0
+    lo = min(rows, rank * size)
+    return lo, min(rows, lo + size)
+
+
+def _reduce_scatter_balanced(grads: Any, rank: int, world: int, present: int, group: Any) -> Any:
+    """This rank's Shard(0) rows of the sum over ranks of their full-size `grads`, added in rank order in
+    train.balanced_sum's tree (ranks >= present hold no tiles and are left out of the sum)."""
+    from miles_fn import train
+
+    leaves, spec = tree_flatten(grads)
+    out = []
+    for g in leaves:
+        if g.dim() == 0:  # a 0-d leaf is replicated: every rank gets the whole sum
+            pieces = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(pieces, g.contiguous(), group=group)
+            out.append(train.balanced_sum(pieces[:present], torch.add))
+            continue
+        rows = g.shape[0]
+        send = [g[slice(*_row_range(rows, j, world))].reshape(-1) for j in range(world)]
+        lo, hi = _row_range(rows, rank, world)
+        mine = (hi - lo) * (g.numel() // rows)
+        recv = g.new_empty(mine * world)
+        dist.all_to_all_single(recv, torch.cat(send), [mine] * world, [s.numel() for s in send], group=group)
+        pieces = [p.reshape(hi - lo, *g.shape[1:]) for p in recv.split(mine)] if mine else [
+            g.new_empty((0, *g.shape[1:]))] * world
+        out.append(train.balanced_sum(pieces[:present], torch.add))
+    return tree_unflatten(spec, out)
+
+
+def _gathered_row_sums(local_grads: Any, full_shapes: list[torch.Size], world: int, group: Any) -> list[torch.Tensor]:
+    """Every leaf's whole vector of per-row float64 sums of squares, gathered from the ranks' row slices
+    (one all_gather of a vector padded to the longest rank's)."""
+    from miles_fn import optim
+
+    leaves, _ = tree_flatten(local_grads)
+    mine = [optim.row_sums_of_squares(g) for g in leaves]
+
+    def length(shape: torch.Size, j: int) -> int:  # rows rank j holds of a leaf (a 0-d leaf: its one value)
+        if len(shape) == 0:
+            return 1
+        lo, hi = _row_range(shape[0], j, world)
+        return hi - lo
+
+    width = max(sum(length(sh, j) for sh in full_shapes) for j in range(world))
+    vec = torch.zeros(max(width, 1), dtype=torch.float64)
+    if mine:
+        flat = torch.cat(mine)
+        vec[: flat.numel()] = flat
+    gathered = [torch.empty_like(vec) for _ in range(world)]
+    dist.all_gather(gathered, vec, group=group)
+    out, offsets = [], [0] * world
+    for i, sh in enumerate(full_shapes):
+        parts = []
+        for j in range(world):
+            parts.append(gathered[j][offsets[j]: offsets[j] + length(sh, j)])
+            offsets[j] += length(sh, j)
+        out.append(mine[i] if len(sh) == 0 else torch.cat(parts))
+    return out
+
+
+def _local(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _like(template: Any, local: Any) -> Any:
+    """local's tensors as DTensors placed as template's (plain template leaves stay plain)."""
+    return tree_map(lambda t, x: DTensor.from_local(x, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                                    stride=t.stride()) if isinstance(t, DTensor) else x,
+                    template, local)

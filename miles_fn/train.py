@@ -7,8 +7,8 @@ its own from the pieces in `losses` and `advantages` and passes it in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from optree import tree_flatten, tree_unflatten
@@ -21,6 +21,7 @@ from miles_fn.packing import PackedBatch
 from state.train_state import RolloutBuffer, TrainState
 from state.tree import tree_all_finite, tree_map
 
+T = TypeVar("T")
 LossFn = Callable[[Any, Any, prng.Key], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -43,12 +44,19 @@ def train_step(
 
 
 def apply_gradients(
-    state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor], optim_cfg: optim.OptimConfig
+    state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor], optim_cfg: optim.OptimConfig,
+    grad_norm: torch.Tensor | None = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    """Global-norm clipping and one AdamW update from given gradients (the tail of every train step)."""
-    grads, grad_norm = optim.clip_by_global_norm(grads, optim_cfg.max_grad_norm)
+    """Global-norm clipping and one AdamW update from given gradients (the tail of every train step).
+
+    grad_norm: the gradients' global norm when the caller computed it (a fixed-order or sharded step,
+    `optim.norm_from_row_sums`); the gradients are then finite exactly when it is (squares in float64
+    cannot overflow), so no rank needs to see the others' gradients to take the same branch.
+    """
+    given = grad_norm is not None
+    grads, grad_norm = optim.clip_by_global_norm(grads, optim_cfg.max_grad_norm, grad_norm)
     lr = optim.lr_at(optim_cfg, int(state.step))
-    finite = bool(torch.isfinite(loss)) and tree_all_finite(grads)
+    finite = bool(torch.isfinite(loss)) and (bool(torch.isfinite(grad_norm)) if given else tree_all_finite(grads))
     metrics = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": torch.tensor(lr), **aux}
     metrics["finite"] = torch.tensor(float(finite))
     if not finite:
@@ -79,13 +87,15 @@ def train_step_accumulated(
 
     fixed_order=True (--true_on_policy) is for micro-batches that are the batch's fixed gradient
     tiles (`packing.pack` with a tile size that does not depend on the token budget): gradients,
-    loss and metrics are a left fold acc = acc + g_tile in tile order, so the bits depend on the
-    tiles alone, and a tile is never split on OOM (a split would change the reduction, so the
-    error says to lower the tile size instead).
+    loss and metrics are summed in the fixed balanced tree of `balanced_sum` over the tiles, and the
+    norm is taken from per-row sums, so the bits depend on the tiles alone, also when the tiles are
+    spread over data-parallel ranks (sharding.dp_train_step_tiles computes this very tree); a tile is
+    never split on OOM (a split would change the reduction, so the error says to lower the tile size).
     """
     grads, loss, aux, stats = accumulate_gradients(state.params, micro_batches, key, loss_fn, max_oom_splits, log,
                                                    use_autograd, fixed_order)
-    state, metrics = apply_gradients(state, grads, loss, aux, optim_cfg)
+    norm = optim.global_norm_by_rows(grads) if fixed_order else None
+    state, metrics = apply_gradients(state, grads, loss, aux, optim_cfg, norm)
     return state, {**metrics, **stats}
 
 
@@ -102,10 +112,16 @@ def accumulate_gradients(
     """(sum of gradients, sum of losses, sum of aux (max for *_max keys), {"micro_batches", "oom_splits"}).
 
     Every sum is one left fold over the micro-batches in order (acc = acc + x), threaded through
-    OOM halves too; fixed_order: see `train_step_accumulated`.
+    OOM halves too; fixed_order: the balanced tree of `balanced_sum` (see `train_step_accumulated`).
     """
     if not micro_batches:
         raise ValueError("train_step_accumulated needs at least one micro-batch")
+    if fixed_order:
+        parts = (next(iter(_micro_batch_grads(params, mb, key, loss_fn, use_autograd, 0, 0, log, True)))
+                 for mb in micro_batches)
+        grads, loss, aux = balanced_sum(parts, add_grads_loss_aux)
+        return grads, loss, aux, {"micro_batches": torch.tensor(float(len(micro_batches))),
+                                  "oom_splits": torch.tensor(0.0)}
     grads, loss, aux, done, splits = None, torch.zeros(()), {}, 0, 0
     for mb in micro_batches:
         for r in _micro_batch_grads(params, mb, key, loss_fn, use_autograd, 0, max_oom_splits, log, fixed_order):
@@ -120,6 +136,37 @@ def accumulate_gradients(
             done += 1
     stats = {"micro_batches": torch.tensor(float(done)), "oom_splits": torch.tensor(float(splits))}
     return grads, loss, aux, stats
+
+
+def balanced_sum(items: Iterable[T], add: Callable[[T, T], T]) -> T:
+    """The sum of items in one fixed balanced binary tree: ((x0+x1)+(x2+x3)) + ..., pairs merged as they come.
+
+    For n items it is the tree over the next power of two of slots with the missing trailing slots
+    skipped, so any aligned block of 2^k slots is a subtree: W ranks that each sum their own block
+    and then `balanced_sum` the W block sums in rank order compute these very bits. Holds O(log n)
+    partial sums at a time.
+    """
+    stack: list[tuple[int, T]] = []
+    for x in items:
+        level = 0
+        while stack and stack[-1][0] == level:
+            x = add(stack.pop()[1], x)
+            level += 1
+        stack.append((level, x))
+    if not stack:
+        raise ValueError("balanced_sum of no items")
+    out = stack.pop()[1]
+    while stack:
+        out = add(stack.pop()[1], out)
+    return out
+
+
+def add_grads_loss_aux(a: tuple[Any, torch.Tensor, dict[str, torch.Tensor]],
+                       b: tuple[Any, torch.Tensor, dict[str, torch.Tensor]]
+                       ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+    """(grads, loss, aux) + (grads, loss, aux): sums, the max for aux keys ending in _max."""
+    return (tree_map(torch.add, a[0], b[0]), a[1] + b[1],
+            {k: torch.maximum(v, b[2][k]) if k.endswith("_max") else v + b[2][k] for k, v in a[2].items()})
 
 
 def _micro_batch_grads(
