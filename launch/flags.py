@@ -258,6 +258,11 @@ flags.DEFINE_integer("debug_nan_at_step", 0, "Debug: plant a NaN in the advantag
 flags.DEFINE_string("debug_block_at", "", "Debug: block forever at POINT:STEP, POINT one of sft_step, rl_step "
                     "(before the update of that 1-based step) or checkpoint_write (of the checkpoint of that "
                     "state step), so that a test can kill the job there.")
+flags.DEFINE_string("debug_exit_rank", "", "Debug under torchrun: RANK:STEP kills that rank (SIGKILL) as RL step STEP "
+                    "starts, to show that the job ends with an error naming it instead of hanging.")
+flags.DEFINE_float("dist_timeout_s", 1800.0, "Under torchrun: the longest any collective waits for the other "
+                   "ranks before the job fails naming the rank and phase; it must exceed a step's rollout and "
+                   "evaluation, which rank 0 runs while the others wait.", lower_bound=1.0)
 
 # == Speculative decoding: a draft LM trained online, samples identical to plain decoding (miles_fn/speculative.py)
 flags.DEFINE_enum("speculative_algorithm", "none", list(SPEC_ALGORITHMS), "STANDALONE: a small separate draft LM "
@@ -377,6 +382,8 @@ flags.register_validator("snapshot_steps", lambda v: all(s.strip().isdigit() and
 flags.register_validator("debug_block_at", lambda v: v == "" or (
     v.partition(":")[0] in ("sft_step", "rl_step", "checkpoint_write") and v.partition(":")[2].isdigit()),
     "--debug_block_at must be POINT:STEP with POINT one of sft_step, rl_step, checkpoint_write")
+flags.register_validator("debug_exit_rank", lambda v: v == "" or (
+    v.partition(":")[0].isdigit() and v.partition(":")[2].isdigit()), "--debug_exit_rank must be RANK:STEP, e.g. 1:3")
 flags.register_multi_flags_validator(
     ["num_heads", "num_kv_heads"],
     lambda v: v["num_heads"] % v["num_kv_heads"] == 0,
@@ -446,6 +453,8 @@ class ReproConfig:
     snapshot_steps: tuple[int, ...] = ()
     debug_nan_at_step: int = 0
     debug_block_at: str = ""
+    debug_exit_rank: str = ""  # torchrun: RANK:STEP, that rank kills itself as RL step STEP starts
+    dist_timeout_s: float = 1800.0  # torchrun: every collective's timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,6 +592,8 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
             snapshot_steps=tuple(int(s) for s in f.snapshot_steps),
             debug_nan_at_step=f.debug_nan_at_step,
             debug_block_at=f.debug_block_at,
+            debug_exit_rank=f.debug_exit_rank,
+            dist_timeout_s=f.dist_timeout_s,
         ),
         objective=ObjectiveConfig(
             advantage_estimator=f.advantage_estimator,

@@ -21,7 +21,7 @@ from absl import app, flags
 
 import ops
 import third_party
-from launch import data, debug, modes, partial, profiling, resume, rl, run_dir, steps
+from launch import data, debug, distributed, modes, partial, profiling, resume, rl, run_dir, steps
 from launch import flags as run_flags
 from launch import memory as launch_memory
 from launch import rollout as rollout_lib
@@ -34,7 +34,7 @@ from launch.metrics import MetricsFileError, MetricsWriter, plot_curves, to_floa
 from launch.plugins import PluginError
 from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
-from miles_fn import lora, model, prng, routing, train
+from miles_fn import lora, model, prng, routing, sharding, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
@@ -42,7 +42,7 @@ from miles_fn.tasks.addition import AdditionTask
 from miles_fn.tasks.chat_arith import ChatArithTask
 from state import gguf_import, hf
 from state.train_state import RolloutBuffer, TrainState
-from state.tree import tree_hash
+from state.tree import tree_hash, tree_leaves
 
 # Sub-keys of a step's key, by purpose. Fixed forever: changing one changes every run.
 K_DATA, K_ROLLOUT, K_TRAIN = 0, 1, 2
@@ -69,6 +69,8 @@ class Job:
     ahead_rollout: Any = None  # --async_rollout: (buffer, stats) of the next step, generated ahead
     eval_set: Any = None  # --eval_data: (prompt ids, labels) of its first --eval_size rows
     base_hash: str = ""  # --lora_rank: tree_hash of the frozen base, once (it never changes; seconds for a real model)
+    ranks: distributed.Ranks = distributed.SINGLE  # torchrun: this process's rank, the world, the ("dp",) mesh
+    where: str = "setup"  # what the loop is doing (named when a collective fails under torchrun)
 
 
 class NoEngine:
@@ -105,7 +107,7 @@ def setup_torch(cfg: run_flags.RunConfig) -> None:
     torch.use_deterministic_algorithms(cfg.deterministic)
 
 
-def build(cfg: run_flags.RunConfig) -> Job:
+def build(cfg: run_flags.RunConfig, ranks: distributed.Ranks = distributed.SINGLE) -> Job:
     try:
         ops.require_backends(cfg.ops)
     except (third_party.MissingPackageError, ValueError) as e:
@@ -142,7 +144,7 @@ def build(cfg: run_flags.RunConfig) -> Job:
                                                                     vocab_limit=rollout_task.tokenizer.vocab_size))
     rollout_lib.check_prompt_lengths(rollout_task, cfg.rollout, cfg.sampling.max_new_tokens,
                                      cfg.model.max_position_embeddings)  # DataError names file:line
-    if cfg.modes.debug_train_only:
+    if cfg.modes.debug_train_only or not ranks.main:  # torchrun: rank 0 generates for all ranks
         engine: Engine = NoEngine()
     else:
         engine = make_engine(cfg.rollout, cfg.model, lora.model_params(state, cfg.lora), cfg.output_dir,
@@ -154,8 +156,8 @@ def build(cfg: run_flags.RunConfig) -> Job:
     if cfg.rollout.eval_data:
         prompts, labels = rollout_lib.eval_prompts(rollout_task, cfg.rollout)  # DataError names file:line
         eval_set = (prompts[: cfg.eval_size], labels[: cfg.eval_size])
-    return Job(cfg, task, state, engine, task.heldout_pairs(cfg.eval_size), rollout_task=rollout_task, pool=pool,
-               eval_set=eval_set)
+    return Job(cfg, task, distributed.shard(state, ranks), engine, task.heldout_pairs(cfg.eval_size),
+               rollout_task=rollout_task, pool=pool, eval_set=eval_set, ranks=ranks)
 
 
 def make_task(cfg: run_flags.RunConfig) -> AdditionTask | ChatArithTask:
@@ -201,8 +203,8 @@ def evaluate(job: Job) -> float:
     """Held-out success of greedy decoding: the task's held-out pairs, or --eval_data scored as the run's
     rollouts are (NaN without an engine, or for a --prompt_data run without --eval_data)."""
     task, cfg = job.task, job.cfg
-    if cfg.modes.debug_train_only or (cfg.rollout.prompt_data and job.eval_set is None):
-        return float("nan")
+    if cfg.modes.debug_train_only or (cfg.rollout.prompt_data and job.eval_set is None) or not job.ranks.main:
+        return float("nan")  # torchrun: rank 0 evaluates (it alone writes metrics and the summary)
     if job.eval_set is not None:
         prompts, labels = job.eval_set
         greedy = dataclasses.replace(cfg.sampling, temperature=0.0)
@@ -243,6 +245,7 @@ def sft_warmup(job: Job, guard: steps.StepGuard) -> float:
     stream = prng.fold_in(job.state.key, SFT_STREAM)
     for s in range(cur.sft_step, cfg.sft_warmup_steps):
         k = prng.fold_in(stream, s)
+        job.where = f"SFT step {s + 1}"
         batch = sft_batch(job.task, k, cfg.sft_batch_size)
         debug.block_at(cfg.repro.debug_block_at, "sft_step", s + 1)
         job.state, m = guard("sft", s + 1, job.state, batch, k)
@@ -314,8 +317,17 @@ def rollout(
 
 
 def model_params(job: Job) -> Any:
-    """The full model the trainer's state stands for, as the engine serves it: merged under --lora_rank."""
-    return lora.model_params(job.state, job.cfg.lora)
+    """The full model the trainer's state stands for, as the engine serves it: merged under --lora_rank.
+    Under torchrun the params are gathered once (every rank takes part; rank 0's engine gets them)."""
+    return lora.model_params(job.state._replace(params=distributed.full(job.state.params)), job.cfg.lora)
+
+
+def broadcast_rollout(job: Job, key: prng.Key, timer: profiling.PhaseTimer,
+                      rl_step: int) -> tuple[RolloutBuffer, dict[str, torch.Tensor]]:
+    """The step's rollout: generated by rank 0 (the one engine), the whole batch broadcast to every rank,
+    so each rank trains on its slice of exactly the batch one process would have."""
+    out = rollout(job, key, job.ref_params, timer, rl_step) if job.ranks.main else None
+    return distributed.broadcast(out, job.ranks)
 
 
 def lora_base_hash(job: Job) -> str:
@@ -350,8 +362,8 @@ def save_checkpoint(job: Job) -> None:
 
 def restore(job: Job) -> None:
     """Continue from the latest checkpoint (--resume): state, KL reference, cursor, engine weights."""
-    r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict())
-    state = r.state
+    r = resume.restore(job.cfg.output_dir, run_flags.flag_values_dict(), job.ranks.mesh)
+    state = distributed.shard(r.state, job.ranks)  # a checkpoint of one process, cut into this mesh's shards
     if getattr(job.state, "base", None) is not None:  # --lora_rank: the saved adapters on this run's (same) base
         saved, now = r.extra.pop("lora_base_hash", None), lora_base_hash(job)
         if saved != now:
@@ -371,17 +383,25 @@ def restore(job: Job) -> None:
 
 
 def run(cfg: run_flags.RunConfig) -> dict[str, Any]:
-    """The whole job, holding --output_dir's lock from before its first write to after its last."""
-    with run_dir.held(cfg.output_dir):
-        return _run(cfg)
+    """The whole job, holding --output_dir's lock from before its first write to after its last (under
+    torchrun: rank 0 holds it, and every rank joins the process group first)."""
+    ranks = distributed.from_env(cfg.repro.dist_timeout_s)
+    try:
+        if not ranks.main:
+            return _run(cfg, ranks)
+        with run_dir.held(cfg.output_dir):
+            return _run(cfg, ranks)
+    finally:
+        distributed.close(ranks)
 
 
-def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
+def _run(cfg: run_flags.RunConfig, ranks: distributed.Ranks = distributed.SINGLE) -> dict[str, Any]:
     if cfg.profile_steps is not None and cfg.profile_steps[1] > cfg.num_steps:
         a, b = cfg.profile_steps
         raise UserError(f"--profile_steps={a}:{b} goes past the run's last RL step (--num_steps={cfg.num_steps})")
     try:
         modes.check(cfg)
+        distributed.check(cfg, ranks)
     except ValueError as e:
         raise UserError(str(e)) from e
     if cfg.rollout.save_rollouts:
@@ -391,23 +411,32 @@ def _run(cfg: run_flags.RunConfig) -> dict[str, Any]:
             raise UserError(f"--save_rollouts={cfg.rollout.save_rollouts} cannot be created ({e.strerror}); choose "
                             f"another directory") from e
     setup_torch(cfg)
-    job = build(cfg)
+    job = build(cfg, ranks)
     try:
         return _run_job(job)
+    except Exception as e:
+        if ranks.world > 1 and distributed.is_collective_failure(e):
+            raise distributed.failure(e, ranks, job.where, cfg.repro.dist_timeout_s) from e
+        raise
     finally:
         job.engine.close()  # the servers (and router) the run started stop with it, also on an error
 
 
 def _run_job(job: Job) -> dict[str, Any]:
-    cfg = job.cfg
+    cfg, ranks = job.cfg, job.ranks
     if cfg.repro.resume:
+        job.where = "--resume"
         restore(job)
+    report_state_bytes(job)
     cur = job.cursor
     try:
-        guard = steps.StepGuard.from_config(cfg, run_flags.flag_values_dict())
+        guard = steps.StepGuard.from_config(cfg, run_flags.flag_values_dict(), ranks.mesh,
+                                            distributed.is_collective_failure if ranks.world > 1 else lambda e: False)
     except ValueError as e:  # an objective the flags cannot build (--custom_loss, packing limits)
         raise UserError(str(e)) from e
-    writer = MetricsWriter(cfg.output_dir, cfg.tensorboard, resume_step=cur.rl_step if cfg.repro.resume else None)
+    resume_step = cur.rl_step if cfg.repro.resume else None
+    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard, resume_step=resume_step) if ranks.main
+              else NoWriter())  # torchrun: rank 0 writes the run's files
     summary = cur.summary
     if "eval_success_init" not in summary:
         summary["eval_success_init"] = evaluate(job)
@@ -421,13 +450,14 @@ def _run_job(job: Job) -> dict[str, Any]:
         # without a warm-up the weights are the initial ones: their (greedy, fixed-key) evaluation is already known
         cur.last_eval = summary["eval_success_step0"] = (evaluate(job) if cfg.sft_warmup_steps
                                                          else summary["eval_success_init"])
-        job.ref_params = job.state.params if cfg.loss.kl_coef > 0 else None  # under --lora_rank: the adapters
+        # under --lora_rank: the adapters; under torchrun gathered (the reference log-probs are rank 0's rollout's)
+        job.ref_params = distributed.full(job.state.params) if cfg.loss.kl_coef > 0 else None
         job.state = rl.attach_critic(cfg, job.state)  # PPO: a value model from the warmed-up trunk
         spec_launch.attach(job)  # --speculative_algorithm: the draft joins the state and the engine
         if cfg.save_every and cfg.sft_warmup_steps:
             save_checkpoint(job)
     last_eval = cur.last_eval
-    bar = _progress(cfg, cur.rl_step)
+    bar = _progress(cfg, cur.rl_step) if ranks.main else None
     profiler = profiling.StepProfiler(cfg.profile_steps, cfg.output_dir)
     t_rl = time.time()
     rollout_only, ahead = cfg.modes.debug_rollout_only, None
@@ -437,6 +467,8 @@ def _run_job(job: Job) -> dict[str, Any]:
         ahead[0].set_result(job.ahead_rollout)
     for step in range(cur.rl_step, cfg.num_steps):
         profiler.begin(step + 1)
+        job.where = f"RL step {step + 1}"
+        distributed.exit_at(cfg.repro.debug_exit_rank, ranks, step + 1)
         key = prng.fold_in(job.state.key, step)
         if ahead is not None:  # --async_rollout: generated during the previous step's update
             (buf, stats), timer, ahead, job.ahead_rollout = ahead[0].result(), ahead[1], None, None
@@ -444,7 +476,7 @@ def _run_job(job: Job) -> dict[str, Any]:
         else:
             timer = profiling.PhaseTimer()
             with launch_memory.offloaded(job, cfg.memory.offload_train_state):
-                buf, stats = rollout(job, key, job.ref_params, timer, step + 1)
+                buf, stats = broadcast_rollout(job, key, timer, step + 1)
         sample_stats = {k: stats.pop(k) for k in SAMPLE_STATS if k in stats}
         if cfg.modes.async_rollout or cfg.modes.partial_rollouts:
             stats.update(staleness(int(job.state.step), sample_stats["sample_version_first"]))
@@ -476,7 +508,7 @@ def _run_job(job: Job) -> dict[str, Any]:
         evaluating = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.num_steps
         if evaluating and not cfg.modes.debug_train_only:
             metrics["eval_success"] = last_eval = cur.last_eval = evaluate(job)
-            if cfg.rollout.eval_pass_k:
+            if cfg.rollout.eval_pass_k and ranks.main:
                 metrics.update(eval_pass_at_k(job))
             spec_launch.take_metrics(job)  # the evaluation's decoding is no rollout: its counts are dropped
         writer.write(step + 1, metrics)
@@ -494,9 +526,33 @@ def _run_job(job: Job) -> dict[str, Any]:
         save_checkpoint(job)
     summary = {**{k: summary[k] for k in ("eval_success_init", "sft_final_loss") if k in summary},
                "sft_seconds": t_rl - t0, "eval_success_step0": summary["eval_success_step0"]}
-    plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
-    summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl, state_hash=tree_hash(job.state))
+    if ranks.main:
+        plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
+    summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl,
+                   state_hash=tree_hash(sharding.full_state(job.state)))
+    if ranks.world > 1:
+        summary.update(world_size=ranks.world, state_mib_per_rank=distributed.state_bytes(job.state) / 2**20)
     return summary
+
+
+class NoWriter:
+    """Ranks other than 0 under torchrun: their metrics are rank 0's (all-reduced), written once."""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def report_state_bytes(job: Job) -> None:
+    """Under torchrun, each rank says on stderr what it holds of the params and AdamW moments."""
+    if job.ranks.world == 1:
+        return
+    mine = distributed.state_bytes(job.state)
+    whole = sum(x.numel() * x.element_size() for x in tree_leaves((job.state.params, job.state.opt_state)))
+    sys.stderr.write(f"rank {job.ranks.rank} of {job.ranks.world}: params + optimizer state {mine / 2**20:.2f} MiB "
+                     f"on this rank, {whole / 2**20:.2f} MiB in all ({mine / whole:.2f} of it)\n")
 
 
 def staleness(trainer_version: int, sample_versions: torch.Tensor) -> dict[str, float]:
@@ -568,8 +624,11 @@ def main(argv: list[str]) -> None:
     try:
         summary = run(config_from_flags())
     except (UserError, run_dir.RunDirError, MetricsFileError, launch_memory.MemoryPlanError, EngineError,
-            PluginError, DataError, RolloutFileError, resume.ResumeError, steps.StepFailed) as e:
+            PluginError, DataError, RolloutFileError, resume.ResumeError, steps.StepFailed,
+            distributed.DistributedError) as e:
         sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 prints the run's summary
+        return
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 

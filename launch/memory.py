@@ -118,13 +118,17 @@ def train_update(
     key: prng.Key,
     loss_fn: train.LossFn,
     optim_cfg: OptimConfig,
+    mesh: Any = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The step's update: whole-batch when --max_tokens_per_micro_batch=0, else packed and accumulated.
 
     With --true_on_policy the micro-batches are the step's fixed gradient tiles (`gradient_tiles`),
     so the update, loss and metrics are bitwise the same under any budget that holds a tile
-    (`token_budget` itself excepted).
+    (`token_budget` itself excepted). Under a ("dp",) mesh (torchrun) every rank gets the whole
+    batch and trains on its share of it, its state sharded (`_dp_update`).
     """
+    if mesh is not None:
+        return _dp_update(cfg, model_cfg, state, buf, key, loss_fn, optim_cfg, mesh)
     if not cfg.max_tokens_per_micro_batch:
         return train.train_step(state, buf, key, loss_fn, optim_cfg)
     lengths = packing.sample_lengths(buf.segment_ids)
@@ -138,6 +142,42 @@ def train_update(
         state, metrics = train.train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg,
                                                       cfg.max_oom_splits, logging.warning)
     padded = sum(mb.tokens.numel() for mb in micro_batches)
+    metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
+    return state, metrics
+
+
+def _dp_update(cfg: MemoryConfig, model_cfg: ModelConfig, state: TrainState, buf: RolloutBuffer, key: prng.Key,
+               loss_fn: train.LossFn, optim_cfg: OptimConfig, mesh: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """train_update across the mesh's ranks (miles_fn/sharding.py): whole groups a rank, global counts.
+
+    --max_tokens_per_micro_batch=0: each rank's groups in one micro-batch through DTensor's autograd.
+    --true_on_policy: the whole batch's gradient tiles, dealt to the ranks in blocks of one balanced
+    tree (the same bits at any power-of-two world size). Otherwise each rank packs its own groups.
+    The budget is the smallest over the ranks, so that no rank's free memory changes another's plan.
+    """
+    import torch.distributed as dist
+
+    from miles_fn import sharding
+
+    if not cfg.max_tokens_per_micro_batch:
+        return sharding.dp_train_step(state, buf, key, loss_fn, optim_cfg, mesh)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    lengths = packing.sample_lengths(buf.segment_ids)
+    budget, row_len = plan_budget(cfg, model_cfg, lengths, state_device(state))
+    agreed = torch.tensor([budget, row_len], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    budget, row_len = int(agreed[0]), int(agreed[1])
+    if cfg.grad_tile_tokens:
+        tiles = gradient_tiles(cfg, buf, lengths, budget)
+        state, metrics = sharding.dp_train_step_tiles(state, tiles, key, loss_fn, optim_cfg, mesh)
+        padded = sum(t.tokens.numel() for t in tiles)
+    else:
+        micro_batches = packing.pack(sharding.rank_buffer(buf, rank, world), budget, row_len)
+        state, metrics = sharding.dp_train_step_accumulated(state, micro_batches, key, loss_fn, optim_cfg, mesh,
+                                                            cfg.max_oom_splits, logging.warning)
+        total = torch.tensor(float(sum(mb.tokens.numel() for mb in micro_batches)), dtype=torch.float64)
+        dist.all_reduce(total, group=mesh.get_group())
+        padded = int(total)
     metrics.update(token_budget=torch.tensor(float(budget)), pack_efficiency=torch.tensor(sum(lengths) / padded))
     return state, metrics
 

@@ -35,7 +35,7 @@ from state.train_state import TrainState
 RESUMABLE_FLAGS = frozenset({
     "output_dir", "num_steps", "save_every", "tensorboard", "progress", "eval_every", "eval_size", "eval_pass_k",
     "eval_data",
-    "resume", "snapshot_steps", "debug_nan_at_step", "debug_block_at",
+    "resume", "snapshot_steps", "debug_nan_at_step", "debug_block_at", "debug_exit_rank", "dist_timeout_s",
     # where the rollout server is and how to recover it; host offload; OOM retries (only when memory runs out)
     "rollout_url", "sglang_url", "rollout_timeout_s", "rollout_max_restarts", "rollout_backoff_s",
     "debug_rollout_server_fault", "save_rollouts", "offload_train_state", "max_oom_splits", "profile_steps",
@@ -139,16 +139,24 @@ def remove_partial_writes(root: str) -> list[str]:
     return found
 
 
-def restore(output_dir: str, flags: dict[str, Any]) -> Restored:
-    """The latest checkpoint under <output_dir>/checkpoints, verified, checked against the current flags."""
+def restore(output_dir: str, flags: dict[str, Any], mesh: Any = None) -> Restored:
+    """The latest checkpoint under <output_dir>/checkpoints, verified, checked against the current flags.
+
+    Under a mesh (torchrun) every rank calls it: rank 0 cleans up partial writes, then each rank loads
+    the sharded leaves as its own shards of this mesh, whatever world size wrote them."""
     root = checkpoint_root(output_dir)
-    remove_partial_writes(root)
+    if mesh is None or mesh.get_local_rank() == 0:
+        remove_partial_writes(root)
+    if mesh is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=mesh.get_group())
     path = checkpoint.latest(root)
     if path is None:
         raise ResumeError(f"--resume: no checkpoint under {root} (checkpoints are written every --save_every steps "
                           "and at the end of the run and of the SFT warm-up)")
     try:
-        loaded = checkpoint.load(path)
+        loaded = checkpoint.load(path, mesh)
     except checkpoint.CheckpointError as e:
         raise ResumeError(f"--resume: {e}") from e
     meta = loaded.metadata

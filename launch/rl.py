@@ -81,8 +81,11 @@ def finish(job: Any, buf: RolloutBuffer) -> RolloutBuffer:
     return objective.with_advantages(buf, obj, values)
 
 
-def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any, dict[str, torch.Tensor]]]:
-    """The run's pure update: train_step of the policy loss, or PPO's policy + critic step."""
+def make_update(
+    cfg: Any, mesh: Any = None
+) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any, dict[str, torch.Tensor]]]:
+    """The run's pure update: train_step of the policy loss, or PPO's policy + critic step; under a
+    ("dp",) mesh (torchrun) the policy's update is data-parallel over sharded state (launch.memory)."""
     obj: objective.ObjectiveConfig = cfg.objective
     model_cfg: ModelConfig = launch_memory.training_model_config(cfg.memory, cfg.model)
     if cfg.custom_loss:
@@ -98,7 +101,7 @@ def make_update(cfg: Any) -> Callable[[Any, RolloutBuffer, prng.Key], tuple[Any,
     def policy_update(state: Any, buf: RolloutBuffer, key: prng.Key):
         rows = gradient_rows(buf) if skip else buf
         loss_fn = lora.loss_for(policy_loss, state, getattr(cfg, "lora", None))  # --lora_rank: in the adapters
-        state, metrics = launch_memory.train_update(cfg.memory, cfg.model, state, rows, key, loss_fn, cfg.optim)
+        state, metrics = launch_memory.train_update(cfg.memory, cfg.model, state, rows, key, loss_fn, cfg.optim, mesh)
         if skip:
             metrics["train_rows_frac"] = torch.tensor(rows.tokens.shape[0] / max(buf.tokens.shape[0], 1))
         return state, metrics

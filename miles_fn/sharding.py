@@ -153,38 +153,66 @@ def rank_batch(buf: Any, rank: int, world: int) -> Any:
 
 def dp_train_step(state: Any, buf: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
                   mesh: DeviceMesh) -> tuple[Any, dict[str, torch.Tensor]]:
-    """One data-parallel update of a TrainState on the whole batch buf: train.train_step's update, to rounding."""
-    return dp_train_step_accumulated(state, [rank_batch(buf, mesh.get_local_rank(), mesh.size())], key, loss_fn,
-                                     optim_cfg, mesh)
+    """One data-parallel update of a TrainState on the whole batch buf: train.train_step's update, to rounding.
+
+    Takes and returns sharded params / AdamW moments (plain leaves are sharded first, so a replicated
+    state works too). The loss runs on this rank's groups over the gathered params (`sharded_loss`);
+    DTensor's backward reduce-scatters the partial gradients into the shards; clipping's global norm
+    is the DTensor sum over shards; AdamW runs elementwise on the shards. The loss and metrics are
+    all-reduced before the finiteness check, so every rank takes the same branch. The reduction
+    order follows the backend (`dp_train_step_tiles` is the bitwise one).
+    """
+    from miles_fn import train
+
+    state = shard_state(state, mesh)
+    mb = rank_batch(buf, mesh.get_local_rank(), mesh.size())
+    grads, (loss, aux) = train.loss_and_grad(state.params, mb, key, sharded_loss(loss_fn))
+    return _apply_reduced(state, grads, loss, aux, {}, optim_cfg, mesh)
 
 
 def dp_train_step_accumulated(state: Any, micro_batches: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
                               mesh: DeviceMesh, max_oom_splits: int = 0,
                               log: Callable[[str], None] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    """One data-parallel update from this rank's micro-batches (of its `rank_buffer`, global counts).
+    """One data-parallel update from this rank's micro-batches (packed from its `rank_buffer`: global counts).
 
-    Takes and returns sharded params / AdamW moments (plain leaves are sharded first, so a replicated
-    state works too). Each micro-batch's loss runs on the gathered params; DTensor's backward
-    reduce-scatters the partial gradients into the shards; clipping's global norm is the DTensor sum
-    over shards; AdamW runs elementwise on the shards. The loss and metrics are all-reduced before
-    the finiteness check, so every rank takes the same branch. Equal to one process to float32
-    rounding: the reduction order follows the backend (`dp_train_step_tiles` is the bitwise one).
+    The params are gathered once and the micro-batches' gradients summed locally (train.accumulate_gradients,
+    OOM halving included), then reduce-scattered once (a Partial -> Shard(0) DTensor redistribute): no
+    collective runs per micro-batch, so ranks may pack their slices into different numbers of them.
     """
     from miles_fn import train
 
     state = shard_state(state, mesh)
-    grads, loss, aux, stats = train.accumulate_gradients(state.params, micro_batches, key, sharded_loss(loss_fn),
-                                                         max_oom_splits, log)
+    full = gather_tree(state.params)
+    grads, loss, aux, stats = train.accumulate_gradients(full, micro_batches, key, loss_fn, max_oom_splits, log)
+    del full
+    grads = tree_map(lambda g, p: _reduce_scatter(g, p, mesh), grads, state.params)
+    return _apply_reduced(state, grads, loss, aux, stats, optim_cfg, mesh)
+
+
+def _reduce_scatter(g: torch.Tensor, like: Any, mesh: DeviceMesh) -> Any:
+    """This rank's partial full-size gradient summed over ranks into `like`'s placement (its shard)."""
+    partial = DTensor.from_local(g, mesh, [Partial()], run_check=False, shape=g.shape, stride=g.stride())
+    return partial.redistribute(mesh, like.placements)
+
+
+def _apply_reduced(state: Any, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor],
+                   stats: dict[str, torch.Tensor], optim_cfg: Any, mesh: DeviceMesh) -> tuple[Any, dict[str, Any]]:
+    """The all-reduced loss and metrics, then `_apply_local` on the DTensor gradients' local shards."""
     reduced = all_reduce_metrics({"loss": loss, **aux, **stats}, mesh.get_group())
     loss = reduced.pop("loss")
-    state, metrics = train.apply_gradients(state, grads, loss, reduced, optim_cfg)
-    metrics = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
-    return state, metrics
+    return _apply_local(state, tree_map(_local, grads), loss, reduced, optim_cfg, mesh)
 
 
 def shard_state(state: Any, mesh: DeviceMesh) -> Any:
     """state with its params and optimizer moments sharded (already sharded leaves stay as they are)."""
     return state._replace(params=shard_tree(state.params, mesh), opt_state=shard_tree(state.opt_state, mesh))
+
+
+def full_state(state: Any) -> Any:
+    """state with its params and moments gathered: the state one process would hold (a collective)."""
+    if not is_sharded(state):
+        return state
+    return state._replace(params=gather_tree(state.params), opt_state=gather_tree(state.opt_state))
 
 
 def dp_train_step_tiles(state: Any, tiles: Any, key: Any, loss_fn: Callable[..., Any], optim_cfg: Any,
@@ -203,7 +231,7 @@ def dp_train_step_tiles(state: Any, tiles: Any, key: Any, loss_fn: Callable[...,
     Communication: one all-gather of the params, one all_to_all of the gradient (a reduce-scatter's
     bytes), two small all-gathers.
     """
-    from miles_fn import optim, train
+    from miles_fn import train
 
     rank, world = mesh.get_local_rank(), mesh.size()
     if world & (world - 1):
@@ -229,13 +257,24 @@ def dp_train_step_tiles(state: Any, tiles: Any, key: Any, loss_fn: Callable[...,
     reduced = _gather_tree_sum_scalars(mine, keys[0], world, present, group)
     loss, aux = reduced.pop("loss"), reduced
     local_grads = _reduce_scatter_balanced(grads, rank, world, present, group)
+    new, metrics = _apply_local(state, local_grads, loss, aux, optim_cfg, mesh)
+    metrics.update(micro_batches=torch.tensor(float(n)), oom_splits=torch.tensor(0.0))
+    return new, metrics
+
+
+def _apply_local(state: Any, local_grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor], optim_cfg: Any,
+                 mesh: DeviceMesh) -> tuple[Any, dict[str, torch.Tensor]]:
+    """AdamW on this rank's shards from its rows of the summed gradient (plain tensors). The clipping norm
+    comes from per-row sums gathered from every rank, so it is the same on all of them and does not
+    depend on the world size; so is the finiteness check it implies (train.apply_gradients)."""
+    from miles_fn import optim, train
+
     shapes = [x.shape for x in tree_flatten(state.params)[0]]
-    norm = optim.norm_from_row_sums(_gathered_row_sums(local_grads, shapes, world, group))
+    norm = optim.norm_from_row_sums(_gathered_row_sums(local_grads, shapes, mesh.size(), mesh.get_group()))
     local_state = state._replace(params=tree_map(_local, state.params), opt_state=tree_map(_local, state.opt_state))
     new_local, metrics = train.apply_gradients(local_state, local_grads, loss, aux, optim_cfg, norm)
     new = new_local._replace(params=_like(state.params, new_local.params),
                              opt_state=_like(state.opt_state, new_local.opt_state))
-    metrics.update(micro_batches=torch.tensor(float(n)), oom_splits=torch.tensor(0.0))
     return new, metrics
 
 
