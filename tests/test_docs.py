@@ -33,7 +33,8 @@ SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 COMMAND = re.compile(r"\bpython3?\s+(?:-m\s+(?P<mod>[A-Za-z_][\w.]*)|(?P<script>(?:[\w.-]+/)*[\w.-]+\.py))"
-                     r"|(?:^|(?<=[\s;&|(]))make\s+(?P<target>[A-Za-z_][\w-]*)")
+                     r"|(?:^|(?<=[\s;&|(]))make\s+(?P<target>[A-Za-z_][\w-]*)"
+                     r"|\btorchrun\b[^\n`]*?\s-m\s+(?P<tmod>[A-Za-z_][\w.]*)")  # torchrun's own flags, then MOD's
 FLAG = re.compile(r"(?<![\w-])--([A-Za-z][\w-]*)")
 _DIRS = "|".join(REPO_DIRS)
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:" + _DIRS + r")/[\w./{},*-]*)")
@@ -152,7 +153,12 @@ def check_context(ctx: str, targets: set[str]) -> list[str]:
     bad = []
     commands = []  # (start, program file or None for outside the repo, label)
     for m in COMMAND.finditer(ctx):
-        if m.group("target"):
+        if m.group("tmod"):
+            commands.append((m.start(), None, "torchrun"))  # flags up to -m are torchrun's
+            commands.append((m.start("tmod"), module_file(m.group("tmod")), m.group("tmod")))
+            if module_file(m.group("tmod")) is None:
+                bad.append(f"torchrun -m {m.group('tmod')}: no such module in the repo")
+        elif m.group("target"):
             if m.group("target") not in targets:
                 bad.append(f"make target {m.group('target')!r} is not in the Makefile")
             commands.append((m.start(), None, "make"))
