@@ -319,7 +319,7 @@ def rollout(
 def model_params(job: Job) -> Any:
     """The full model the trainer's state stands for, as the engine serves it: merged under --lora_rank.
     Under torchrun the params are gathered once (every rank takes part; rank 0's engine gets them)."""
-    return lora.model_params(job.state._replace(params=distributed.full(job.state.params)), job.cfg.lora)
+    return lora.full_params(distributed.full(job.state.params), getattr(job.state, "base", None), job.cfg.lora)
 
 
 def broadcast_rollout(job: Job, key: prng.Key, timer: profiling.PhaseTimer,
