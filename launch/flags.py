@@ -268,7 +268,7 @@ flags.DEFINE_float("dist_timeout_s", 1800.0, "Under torchrun: the longest any co
 flags.DEFINE_enum("speculative_algorithm", "none", list(SPEC_ALGORITHMS), "STANDALONE: a small separate draft LM "
                   "proposes --speculative_num_steps tokens greedily, one target forward verifies them; every token "
                   "is still the target's own sample from its own key (bitwise plain decoding with "
-                  "--true_on_policy). Embedded engine only for now.")
+                  "--true_on_policy). The embedded engine and the rollout servers (--rollout_backend=http) speculate.")
 flags.DEFINE_integer("speculative_num_steps", 3, "Draft tokens proposed per verify forward (k).", lower_bound=1)
 flags.DEFINE_string("draft_checkpoint", "", "Hugging Face directory of a small LM with the target's vocabulary to "
                     "start the draft from (empty = a random draft of --draft_hidden_size x --draft_num_layers).")
@@ -280,9 +280,10 @@ flags.DEFINE_float("draft_lr", 3e-3, "The draft's AdamW learning rate.", lower_b
 flags.DEFINE_boolean("freeze_draft", False, "Keep the start-of-run draft (no online training), for comparison.")
 flags.register_multi_flags_validator(
     ["speculative_algorithm", "rollout_backend"],
-    lambda v: v["speculative_algorithm"] == "none" or v["rollout_backend"] == "embedded",
-    "--speculative_algorithm=STANDALONE runs in the embedded engine only: --rollout_backend=http (the rollout "
-    "server) and --rollout_backend=sglang do not carry the draft's weights yet; use --rollout_backend=embedded",
+    lambda v: v["speculative_algorithm"] == "none" or v["rollout_backend"] != "sglang",
+    "--speculative_algorithm=STANDALONE with --rollout_backend=sglang: SGLang takes a draft's new weights only "
+    "through /update_weights_from_tensor with draft_only, whose payload is pickle (never sent from here); use "
+    "--rollout_backend=embedded or http (launch.rollout_server speculates, its draft synced each step)",
 )
 flags.register_multi_flags_validator(
     ["speculative_algorithm", "lora_rank", "advantage_estimator", "offload_train_state"],

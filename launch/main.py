@@ -148,8 +148,8 @@ def build(cfg: run_flags.RunConfig, ranks: distributed.Ranks = distributed.SINGL
         engine: Engine = NoEngine()
     else:
         engine = make_engine(cfg.rollout, cfg.model, lora.model_params(state, cfg.lora), cfg.output_dir,
-                             cfg.num_threads, ops_cfg=cfg.ops,
-                             vocab_limit=cfg.sampling.vocab_limit)
+                             cfg.num_threads, ops_cfg=cfg.ops, vocab_limit=cfg.sampling.vocab_limit,
+                             draft=spec_launch.server_draft(cfg, state))
         engine = spec_launch.engine_for(cfg, engine)  # --speculative_algorithm: the embedded engine with a draft
     pool = partial.Pool() if cfg.modes.partial_rollouts else None
     eval_set = None

@@ -27,9 +27,10 @@ import torch
 
 import ops
 from launch.engines import openai_api, sglang_api, weight_group
-from launch.engines.base import Request
+from launch.engines.base import Request, SpecDraft
 from launch.engines.embedded import run_chunk
 from miles_fn.config import ModelConfig
+from miles_fn.speculative import check_draft
 from state import hf
 
 MAX_BODY = 1 << 31
@@ -65,6 +66,8 @@ class RolloutState:
         self.openai_calls = 0
         self.served_by = ""  # this server's URL, named in each reply's meta_info (a router does not say who served)
         self.codec = openai_api.NO_TOKENIZER  # text <-> ids for /v1/* (--tokenizer-path)
+        # --speculative-algorithm STANDALONE: the draft LM (its weights and version change by draft_only updates)
+        self.draft: SpecDraft | None = None
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Mark waiting calls that hold `rid` (or all) as aborted; how many. An unknown rid is a no-op, as in SGLang."""
@@ -80,6 +83,9 @@ class RolloutState:
             body["return_routed_experts"], "return_routed_experts")
         if routes and not self.cfg.num_experts:
             raise ValueError("return_routed_experts: this model has no MoE layers, so no experts to return")
+        if routes and self.draft is not None:
+            raise ValueError("return_routed_experts: this server speculates (--speculative-algorithm) and its verify "
+                             "forward records no routes; start it without a draft for routing replay")
         if self.vocab_limit:
             sampling = dataclasses.replace(sampling, vocab_limit=self.vocab_limit)
         rid = body.get("rid")
@@ -112,7 +118,8 @@ class RolloutState:
         if self.exit_after and self.generate_calls >= self.exit_after:
             os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
         reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
-        samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg)
+        samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg,
+                            None if probe else self.draft)
         reply = sglang_api.generate_reply(samples, [len(p) for p in prompts], self.cfg if routes else None)
         for item in reply if self.served_by else ():
             item["meta_info"]["served_by"] = self.served_by
@@ -126,12 +133,32 @@ class RolloutState:
         blobs = body.get("serialized_named_tensors")
         if not isinstance(blobs, list) or len(blobs) != 1 or not isinstance(blobs[0], str):
             raise ValueError("serialized_named_tensors: one base64 string (tp_size 1) is required")
+        draft_only = body.get("draft_only") is not None and sglang_api.strict_bool(body["draft_only"], "draft_only")
+        target_only = body.get("disable_draft_model") is not None and sglang_api.strict_bool(
+            body["disable_draft_model"], "disable_draft_model")
+        if draft_only and target_only:
+            raise ValueError("draft_only and disable_draft_model are mutually exclusive")
+        if draft_only and self.draft is None:
+            raise ValueError("draft_only: this server has no draft; start it with --speculative-algorithm STANDALONE "
+                             "--speculative-draft-model-path DIR")
         named = sglang_api.decode_tensors(blobs[0])
         version = _version(body)
         with self.lock:
+            if draft_only:  # the draft is a separate LM: its tensors never reach the target, nor the target's it
+                assert self.draft is not None
+                self.draft = self.draft._replace(params=replace_named(self.draft.cfg, self.draft.params, named),
+                                                 version=version)
+                return {"success": True, "message": f"updated {len(named)} draft tensors to version {version}"}
             self.params = replace_named(self.cfg, self.params, named)
             self.version = version
         return {"success": True, "message": f"updated {len(named)} tensors to weight_version {version}"}
+
+    def model_info(self) -> dict[str, Any]:
+        spec = {} if self.draft is None else {"speculative_algorithm": "STANDALONE",
+                                              "speculative_num_steps": self.draft.num_steps,
+                                              "draft_weight_version": str(self.draft.version)}
+        return {"model_path": "miles-fn", "is_generation": True, "weight_version": str(self.version),
+                **sglang_api.ops_info(self.ops_cfg), **spec}
 
     # --- weights over a torch.distributed group (launch/engines/weight_group.py) -----------------
     def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +248,8 @@ class RolloutState:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise ValueError("model_path: a checkpoint directory is required")
+        if body.get("draft_only"):
+            raise ValueError("draft_only: a draft's weights arrive by /update_weights_from_tensor here, not from disk")
         try:
             cfg, params = hf.load_hf(path)
         except (OSError, KeyError) as e:
@@ -370,8 +399,7 @@ def make_handler(state: RolloutState, read_timeout_s: float | None = 60.0) -> ty
                     state.generate({"input_ids": [[0]], "sampling_params": {"max_new_tokens": 1}}, probe=True)
                     return self._send(200, {})
                 if path in ("/get_model_info", "/model_info"):
-                    return self._send(200, {"model_path": "miles-fn", "is_generation": True,
-                                            "weight_version": str(state.version), **sglang_api.ops_info(state.ops_cfg)})
+                    return self._send(200, state.model_info())
                 if path in ("/get_weight_version", "/weight_version"):
                     return self._send(200, {"weight_version": str(state.version)})
                 if path.startswith("/v1/"):
@@ -433,6 +461,29 @@ def watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
+def load_draft(args: argparse.Namespace, cfg: ModelConfig, version: int) -> SpecDraft | None:
+    """The draft the speculative flags name (None without --speculative-algorithm); ValueError naming the flag."""
+    algo = args.speculative_algorithm
+    if not algo:
+        if args.speculative_draft_model_path:
+            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE")
+        return None
+    if algo.upper() != "STANDALONE":
+        raise ValueError(f"--speculative-algorithm={algo}: only STANDALONE (a separate draft LM) is served here; "
+                         "EAGLE heads need real SGLang")
+    if not args.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR")
+    try:
+        dcfg, dparams = hf.load_hf(args.speculative_draft_model_path)
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"--speculative-draft-model-path={args.speculative_draft_model_path}: {e}") from None
+    try:
+        check_draft(cfg, dcfg, args.speculative_num_steps)
+    except ValueError as e:
+        raise ValueError(f"--speculative-draft-model-path={args.speculative_draft_model_path}: {e}") from None
+    return SpecDraft(dcfg, dparams, version, args.speculative_num_steps)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.rollout_server", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
@@ -466,6 +517,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="a client that sends no byte of its request for this long is answered 408 and dropped")
     p.add_argument("--vocab-limit", type=int, default=0,
                    help="never sample ids >= this (a padded vocabulary's rows past the tokenizer); 0 = every row")
+    p.add_argument("--speculative-algorithm", default="", help="STANDALONE: a separate small draft LM "
+                   "(--speculative-draft-model-path) proposes tokens; the samples stay exactly plain decoding's "
+                   "(docs/speculative-decoding.md). Its weights change by /update_weights_from_tensor with draft_only")
+    p.add_argument("--speculative-draft-model-path", default="", help="the draft's Hugging Face checkpoint directory")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per verify forward")
     p.add_argument("--debug-fail-start", action="store_true", help="tests: exit at once, as a broken server")
     p.add_argument("--debug-group-fault", default="", help="tests: 'unreachable' (dial a dead port to join a "
                    "weight-update group) or 'crash_in_update:N' (die inside the Nth distributed update)")
@@ -501,6 +557,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
                          args.debug_group_fault, ops_cfg, args.vocab_limit)
+    try:
+        state.draft = load_draft(args, cfg, version)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from launch import data
 
     tok_path = args.tokenizer_path or (args.model_path if data.has_tokenizer(args.model_path) else "")

@@ -3,7 +3,8 @@ that speculates, the draft's weight sync and the per-step metrics.
 
 The math lives in miles_fn/speculative.py (decoding) and miles_fn/draft.py (online training); the state is
 state.train_state.SpeculativeState, so checkpoints, resume, snapshots and replay carry the draft as they carry
-the policy. Only the embedded engine speculates (launch/flags.py refuses the others by name).
+the policy. The embedded engine speculates here; a rollout server (--rollout_backend=http, one or a fleet)
+speculates in its process with the draft sent after each update (launch/engines/remote.py, fleet.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import ops
-from launch.engines.base import Request, Sample, chunked, seed_keys
-from launch.engines.embedded import EmbeddedEngine
+from launch.engines.base import Request, Sample, SpecDraft, SpecMeter, chunked
+from launch.engines.embedded import EmbeddedEngine, run_chunk
 from miles_fn import draft, model, optim, prng, train
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
-from miles_fn.speculative import SpecStats, check_draft, generate_speculative_rows
+from miles_fn.speculative import check_draft
 from state.train_state import SpeculativeState
 
 DRAFT_STREAM = 0xD2AF  # the random draft's init: fold_in(root, DRAFT_STREAM); fixed forever
@@ -89,8 +90,18 @@ def attach(job: Any) -> None:
 
 def sync(job: Any) -> None:
     """Ship the draft's current weights to a speculating engine (after each weight sync and on --resume)."""
-    if isinstance(job.state, SpeculativeState) and isinstance(job.engine, SpeculativeEngine):
-        job.engine.update_draft(job.state.draft.params)
+    if isinstance(job.state, SpeculativeState) and hasattr(job.engine, "update_draft"):
+        job.engine.update_draft(int(job.state.step), job.state.draft.params)
+
+
+def server_draft(cfg: Any, state: Any) -> SpecDraft | None:
+    """The draft a rollout server this run starts speculates with until the first sync: the one attach will
+    give the state (the same key, so the same weights), or None without speculation or a server."""
+    spec = cfg.speculative
+    if not spec.enabled or cfg.rollout.backend != "http":
+        return None
+    dcfg, params = draft_model(spec, cfg.model, state.key)
+    return SpecDraft(dcfg, params, int(state.step), spec.num_steps)
 
 
 def engine_for(cfg: Any, engine: Any) -> Any:
@@ -111,40 +122,26 @@ class SpeculativeEngine(EmbeddedEngine):
     def __init__(self, cfg: ModelConfig, params: Any, version: int, batch_size: int, ops_cfg: ops.OpsConfig,
                  draft_cfg: ModelConfig, num_steps: int):
         super().__init__(cfg, params, version, batch_size, ops_cfg)
-        self.draft_cfg, self.num_steps, self.draft_params = draft_cfg, num_steps, None
-        self._stats, self._tokens, self._seconds = SpecStats(), 0, 0.0
+        self.draft_cfg, self.num_steps = draft_cfg, num_steps
+        self.draft: SpecDraft | None = None
+        self.meter = SpecMeter()
 
-    def update_draft(self, params: Any) -> None:
-        self.draft_params = params
+    def update_draft(self, version: int, params: Any) -> None:
+        self.draft = SpecDraft(self.draft_cfg, params, version, self.num_steps)
 
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
-        if self.draft_params is None:
-            return super().generate(requests, sampling)
         t0, out = time.perf_counter(), []
         for chunk in chunked(requests, self.batch_size):
-            gen, st = generate_speculative_rows(self.params, self.cfg, self.draft_params, self.draft_cfg,
-                                                [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]),
-                                                sampling, self.num_steps, ops_cfg=self.ops_cfg)
-            self._stats = self._stats.add(st)
-            out.extend(Sample(t, lp, f, self.version)
-                       for t, lp, f in zip(gen.tokens, gen.logprobs, gen.finish_reasons, strict=True))
-        self._seconds += time.perf_counter() - t0
-        self._tokens += sum(len(s.tokens) for s in out)
+            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version, self.ops_cfg, self.draft))
+        if self.draft is not None:
+            self.meter.record(out, time.perf_counter() - t0)
         return out
 
     def take_stats(self) -> dict[str, float]:
-        """spec_accept_length (tokens per verify), spec_accept_rate, spec_accept_pos_j; and
-        time_rollout_tokens_per_s (wall clock, so it goes to timings.jsonl)."""
-        st, out = self._stats, {}
-        if st.verifies:
-            out = {"spec_accept_length": st.tokens_per_verify, "spec_accept_rate": st.accept_rate,
-                   **{f"spec_accept_pos_{j + 1}": a for j, a in enumerate(st.accept_by_position)}}
-        if self._seconds > 0:
-            out["time_rollout_tokens_per_s"] = self._tokens / self._seconds
-        self._stats, self._tokens, self._seconds = SpecStats(), 0, 0.0
-        return out
+        return self.meter.take()
 
 
 def take_metrics(job: Any) -> dict[str, float]:
     """The engine's speculation metrics since the last call ({} without a speculating engine)."""
-    return job.engine.take_stats() if isinstance(job.engine, SpeculativeEngine) else {}
+    take = getattr(job.engine, "take_stats", None)
+    return take() if take is not None else {}

@@ -49,6 +49,8 @@ class SpecStats:
     verifies: int = 0  # live rows summed over verify forwards
     emitted: int = 0  # tokens those verifies emitted (each row's first token comes from the prefill)
     accepted_at: tuple[int, ...] = ()  # [k]: verifies whose drafts 1..j+1 all matched the target's samples
+    # Per row, in request order: [k+1] verifies that accepted exactly j drafts (what a server reports per request).
+    rows: tuple[tuple[int, ...], ...] = ()
 
     def add(self, other: SpecStats) -> SpecStats:
         if not self.accepted_at:
@@ -58,7 +60,22 @@ class SpecStats:
         if len(self.accepted_at) != len(other.accepted_at):
             raise ValueError(f"SpecStats.add: k differs ({len(self.accepted_at)} vs {len(other.accepted_at)})")
         return SpecStats(self.verifies + other.verifies, self.emitted + other.emitted,
-                         tuple(a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)))
+                         tuple(a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)),
+                         self.rows + other.rows)
+
+    @staticmethod
+    def from_rows(histograms: Sequence[Sequence[int]], emitted: int) -> SpecStats:
+        """The counts of requests given by their acceptance histograms and the tokens their verifies emitted
+        (a request's tokens less its first, which the prefill samples)."""
+        if not histograms:
+            return SpecStats()
+        k = len(histograms[0]) - 1
+        if k < 1 or any(len(h) != k + 1 for h in histograms):
+            raise ValueError(f"SpecStats.from_rows: every histogram needs the same k+1 >= 2 entries, got "
+                             f"{sorted({len(h) for h in histograms})}")
+        return SpecStats(sum(sum(h) for h in histograms), emitted,
+                         tuple(sum(sum(h[j + 1:]) for h in histograms) for j in range(k)),
+                         tuple(tuple(h) for h in histograms))
 
     @property
     def tokens_per_verify(self) -> float:
@@ -187,7 +204,7 @@ def generate_speculative_rows(
     k = num_steps
     b = len(prompts)
     if b == 0:
-        return Generation([], [], []), SpecStats(0, 0, (0,) * k)
+        return Generation([], [], []), SpecStats(0, 0, (0,) * k, ())
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate_speculative: every prompt needs at least one token")
     if tuple(row_keys.shape) != (b, 2):
@@ -226,6 +243,7 @@ def generate_speculative_rows(
     prev = prompt_tok[:, -1]  # the token before it, for the draft: already in its cache after the prefill...
     prev_valid = torch.zeros(b, dtype=torch.bool)  # ...unless the previous round accepted all k drafts
     verifies, emitted, accepted_at = 0, 0, torch.zeros(k, dtype=torch.int64)
+    hist = torch.zeros(b, k + 1, dtype=torch.int64)  # per row: verifies that accepted exactly j drafts
     col = lp
     causal_blk = torch.tril(torch.ones(k + 1, k + 1, dtype=torch.bool))
     while not bool(done.all()):
@@ -263,6 +281,7 @@ def generate_speculative_rows(
         verifies += int(live.sum())
         emitted += int(m.sum())
         accepted_at += ((a[:, None] > torch.arange(k)[None]) & live[:, None]).sum(0)
+        hist[rows, a] += live.long()
 
         # Keep the columns of pending and the accepted drafts; the rest are invalid from now on.
         valid_t[:, col : col + k + 1] = (span[None] <= a[:, None]) & live[:, None]
@@ -276,7 +295,8 @@ def generate_speculative_rows(
         col += k + 1
 
     gen = _generation(out_tok, out_lp, n, sampling)
-    return gen, SpecStats(verifies, emitted, tuple(int(x) for x in accepted_at.tolist()))
+    return gen, SpecStats(verifies, emitted, tuple(int(x) for x in accepted_at.tolist()),
+                          tuple(tuple(h) for h in hist.tolist()))
 
 
 def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig

@@ -9,7 +9,7 @@ from typing import Any
 from absl import logging
 
 import ops
-from launch.engines.base import Engine, EngineError
+from launch.engines.base import Engine, EngineError, SpecDraft
 from launch.engines.config import RolloutConfig
 from launch.engines.embedded import EmbeddedEngine
 from miles_fn.config import ModelConfig
@@ -18,13 +18,15 @@ __all__ = ["Engine", "EngineError", "RolloutConfig", "make_engine"]
 
 
 def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int = 1,
-                version: int = 0, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0) -> Engine:
+                version: int = 0, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0,
+                draft: SpecDraft | None = None) -> Engine:
     """The rollout engine --rollout_backend names; vocab_limit (the tokenizer's length, when the checkpoint pads
-    its vocabulary) goes to a server this run starts, so the padded rows are never sampled."""
+    its vocabulary) goes to a server this run starts, so the padded rows are never sampled. `draft` (http only:
+    the embedded engine gets its draft from launch.speculative) starts the servers speculating with it."""
     if rcfg.backend == "embedded":
         return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg)
     if rcfg.backend == "http":
-        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg, vocab_limit)
+        return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg, vocab_limit, draft)
     if rcfg.backend == "sglang":
         from launch.engines.sglang_backend import make_sglang_engine
 
@@ -98,8 +100,34 @@ def check_server_ops(info: dict[str, Any], ops_cfg: ops.OpsConfig, url: str) -> 
             f"{' '.join(server_ops_args(ops_cfg))}")
 
 
+def check_server_draft(info: dict[str, Any], draft: SpecDraft | None, url: str) -> None:
+    """Refuse a server that does not speculate with the run's k when the run has a draft."""
+    if draft is None:
+        return
+    if info.get("speculative_algorithm") != "STANDALONE" or info.get("speculative_num_steps") != draft.num_steps:
+        raise EngineError(
+            f"--rollout_url={url}: --speculative_algorithm=STANDALONE --speculative_num_steps={draft.num_steps} needs "
+            f"a server that speculates with k = {draft.num_steps}, but it reports speculative_algorithm="
+            f"{info.get('speculative_algorithm')}, speculative_num_steps={info.get('speculative_num_steps')}; start it "
+            f"with python -m launch.rollout_server --speculative-algorithm STANDALONE --speculative-draft-model-path "
+            f"DIR --speculative-num-steps {draft.num_steps} (the run sends its draft's weights)")
+
+
+def draft_args(draft: SpecDraft | None, root: str) -> list[str]:
+    """launch.rollout_server flags that make it speculate with the run's draft (saved under root)."""
+    if draft is None:
+        return []
+    from state import hf
+
+    path = os.path.abspath(os.path.join(root, "draft_init"))
+    hf.save_hf(path, draft.cfg, draft.params)
+    return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", path,
+            "--speculative-num-steps", str(draft.num_steps)]
+
+
 def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,
-                 version: int, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0) -> Engine:
+                 version: int, ops_cfg: ops.OpsConfig = ops.REFERENCE, vocab_limit: int = 0,
+                 draft: SpecDraft | None = None) -> Engine:
     from launch.engines.remote import RecoveryPolicy, RemoteEngine, ServerProcess, disk_sync, tensor_sync
     from launch.engines.weight_group import DistributedSync
     from state import hf
@@ -110,12 +138,15 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
     else:
         sync = disk_sync(mcfg, wdir) if rcfg.weight_sync == "disk" else tensor_sync(mcfg)
     recovery = RecoveryPolicy(rcfg.max_restarts, rcfg.backoff_s, rcfg.start_timeout_s)
+    spec = dict(draft_cfg=draft.cfg if draft else None, num_steps=draft.num_steps if draft else 0)
     common = dict(sync=sync, batch_size=rcfg.batch_size, timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight,
-                  recovery=recovery)
+                  recovery=recovery, **spec)
     if rcfg.url:
         engine = RemoteEngine(mcfg, params, version, url=rcfg.url, **common)
         try:
-            check_server_ops(engine.client.model_info(), ops_cfg, rcfg.url)
+            info = engine.client.model_info()
+            check_server_ops(info, ops_cfg, rcfg.url)
+            check_server_draft(info, draft, rcfg.url)
         except EngineError:
             engine.close()
             raise
@@ -128,17 +159,18 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
                               "the kernels of servers behind a router; start them with this run "
                               "(--rollout_num_engines)")
         return adopt_fleet(mcfg, params, version, router_url=rcfg.router_url, sync_for=lambda: sync,
-                           timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight, recovery=recovery)
+                           timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight, recovery=recovery, **spec)
     _fault_args(rcfg.server_fault, True)  # validate before starting anything
     init = os.path.abspath(os.path.join(wdir, "init"))
     hf.save_hf(init, mcfg, params)
+    speculate = draft_args(draft, wdir)
 
     def server_command(index: int, port: int, first: bool) -> list[str]:
         fault = rcfg.server_fault if index == 0 or rcfg.server_fault.startswith("fleet_down") else ""
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
                 "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent", *server_ops_args(ops_cfg),
-                "--vocab-limit", str(vocab_limit),
+                "--vocab-limit", str(vocab_limit), *speculate,
                 *_fault_args(fault, first)]
 
     def command(port: int, first: bool) -> list[str]:
@@ -152,6 +184,6 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
         return start_fleet(mcfg, params, version, n=rcfg.num_engines, server_command=server_command,
                            sync_for=lambda: sync, output_dir=output_dir, policy=rcfg.router_policy,
                            timeout_s=rcfg.timeout_s, max_inflight=rcfg.max_inflight, recovery=recovery, cwd=root,
-                           router_fault=int(n) if mode == "router_crash" else 0)
+                           router_fault=int(n) if mode == "router_crash" else 0, **spec)
     proc = ServerProcess(command, os.path.join(output_dir, "rollout_server.log"), rcfg.start_timeout_s, cwd=root)
     return RemoteEngine(mcfg, params, version, process=proc, **common)

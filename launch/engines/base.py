@@ -34,12 +34,32 @@ class Request(NamedTuple):
     seed: int  # the request's key as a 64-bit integer (see request_seed)
 
 
+class SpecInfo(NamedTuple):
+    """How a speculating engine produced one sample (never what it produced: that is plain decoding's).
+
+    histogram[j]: the verify forwards of this request that accepted exactly j draft tokens (j = 0..k);
+    draft_version: the draft weights that proposed them (SGLang-style meta_info.spec_accept_histogram)."""
+
+    histogram: tuple[int, ...]
+    draft_version: int
+
+
 class Sample(NamedTuple):
     tokens: list[int]  # response ids, the stop token included when one was hit
     logprobs: list[float]  # one per response token
     finish_reason: str  # "stop" or "length"
     weight_version: int  # the weights that produced every token of it
     routed_experts: Any = None  # MoE: [P + R - 1, L_moe, k] int32, the experts run per token (R3)
+    spec: SpecInfo | None = None  # speculative decoding: acceptance counts (None: decoded plainly)
+
+
+class SpecDraft(NamedTuple):
+    """A draft LM as an engine holds it: its config, weights, their version and k (draft tokens per verify)."""
+
+    cfg: Any  # miles_fn.config.ModelConfig
+    params: Any
+    version: int
+    num_steps: int
 
 
 class Batch(NamedTuple):
@@ -120,3 +140,34 @@ def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], key: prng.K
     routes = [s.routed_experts for s in samples]
     return Batch([s.tokens for s in samples], [s.logprobs for s in samples], [s.finish_reason for s in samples],
                  [s.weight_version for s in samples], None if any(r is None for r in routes) else routes)
+
+
+class SpecMeter:
+    """A speculating engine's acceptance counts and rollout tokens/s since the last take (the step's metrics)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, ...]] = []
+        self.emitted = self.tokens = 0
+        self.seconds = 0.0
+
+    def record(self, samples: Sequence[Sample], seconds: float) -> None:
+        for s in samples:
+            if s.spec is not None:
+                self.rows.append(s.spec.histogram)
+                self.emitted += len(s.tokens) - 1  # the first token of each comes from the prefill
+        self.tokens += sum(len(s.tokens) for s in samples)
+        self.seconds += seconds
+
+    def take(self) -> dict[str, float]:
+        """spec_accept_length (tokens per verify), spec_accept_rate, spec_accept_pos_j; and
+        time_rollout_tokens_per_s (wall clock, so it goes to timings.jsonl)."""
+        from miles_fn.speculative import SpecStats
+
+        st, out = SpecStats.from_rows(self.rows, self.emitted), {}
+        if st.verifies:
+            out = {"spec_accept_length": st.tokens_per_verify, "spec_accept_rate": st.accept_rate,
+                   **{f"spec_accept_pos_{j + 1}": a for j, a in enumerate(st.accept_by_position)}}
+        if self.seconds > 0:
+            out["time_rollout_tokens_per_s"] = self.tokens / self.seconds
+        self.__init__()
+        return out

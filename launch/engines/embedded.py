@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import ops
-from launch.engines.base import Request, Sample, chunked, seed_keys
+from launch.engines.base import Request, Sample, SpecDraft, SpecInfo, chunked, seed_keys
 from miles_fn.config import ModelConfig
 from miles_fn.generate import generate_rows
 from miles_fn.sampling import SamplingConfig
+from miles_fn.speculative import generate_speculative_rows
 
 
 class EmbeddedEngine:
@@ -56,10 +57,16 @@ class EmbeddedEngine:
 
 
 def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling: SamplingConfig, version: int,
-              ops_cfg: ops.OpsConfig = ops.REFERENCE) -> list[Sample]:
-    """One chunk as one batch: what the embedded engine and the rollout server both run."""
-    gen = generate_rows(params, cfg, [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk]), sampling,
-                        ops_cfg=ops_cfg)
+              ops_cfg: ops.OpsConfig = ops.REFERENCE, draft: SpecDraft | None = None) -> list[Sample]:
+    """One chunk as one batch: what the embedded engine and the rollout server both run. With a draft it
+    speculates (miles_fn.speculative): the same tokens and log-probs, each sample with its acceptance counts."""
+    prompts, keys = [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk])
+    if draft is not None:
+        gen, stats = generate_speculative_rows(params, cfg, draft.params, draft.cfg, prompts, keys, sampling,
+                                               draft.num_steps, ops_cfg=ops_cfg)
+        return [Sample(t, lp, f, version, spec=SpecInfo(h, draft.version))
+                for t, lp, f, h in zip(gen.tokens, gen.logprobs, gen.finish_reasons, stats.rows, strict=True)]
+    gen = generate_rows(params, cfg, prompts, keys, sampling, ops_cfg=ops_cfg)
     routes = gen.routed_experts or [None] * len(gen.tokens)  # MoE models: the experts run per token (R3)
     return [Sample(t, lp, f, version, r)
             for t, lp, f, r in zip(gen.tokens, gen.logprobs, gen.finish_reasons, routes, strict=True)]

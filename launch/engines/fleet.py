@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launch.engines import sglang_api
-from launch.engines.base import EngineError, Request, Sample, chunked
-from launch.engines.remote import RecoveryPolicy, ServerProcess, check_samples, free_port
+from launch.engines.base import EngineError, Request, Sample, SpecDraft, SpecMeter, chunked
+from launch.engines.remote import RecoveryPolicy, ServerProcess, check_samples, check_spec, free_port, push_draft
 from launch.engines.sglang_client import ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
@@ -137,7 +137,7 @@ class FleetEngine:
     def __init__(self, cfg: ModelConfig, params: Any, version: int, *, members: list[Member], router: Router,
                  timeout_s: float = 60.0,
                  max_inflight: int = 8, recovery: RecoveryPolicy | None = None, router_fault: int = 0,
-                 record_path: str = ""):
+                 record_path: str = "", draft_cfg: ModelConfig | None = None, num_steps: int = 0):
         if not members:
             raise EngineError(f"the rollout fleet behind {router.url} has no servers")
         self.cfg, self.params, self._version = cfg, params, version
@@ -149,6 +149,9 @@ class FleetEngine:
         self.restarts = collections.Counter[str]()  # kind ("engine", "router") -> restarts
         self.served = collections.Counter[str]()  # server URL -> samples it served (as its replies say)
         self.record_path = record_path  # JSONL: per generate call, the server of each sample, in request order
+        self.draft_cfg, self.num_steps = draft_cfg, num_steps  # speculating servers (RemoteEngine's draft_cfg)
+        self.draft: SpecDraft | None = None
+        self.meter = SpecMeter()
         atexit.register(self._report)
         for m in members:
             self._sync(m)
@@ -167,6 +170,7 @@ class FleetEngine:
 
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         self.generate_calls += 1
+        t0 = time.perf_counter()
         self._heal()
         if self.router_fault == self.generate_calls and self.router.process is not None:
             assert self.router.process.proc is not None
@@ -212,6 +216,9 @@ class FleetEngine:
                 f.write(json.dumps({"call": self.generate_calls, "weight_version": self._version,
                                     "served_by": engines}) + "\n")
         check_samples(samples, self._version, sampling.vocab_limit, f"the rollout fleet behind {self.router.url}")
+        if self.draft is not None:
+            check_spec(samples, self.draft, f"the rollout fleet behind {self.router.url}")
+            self.meter.record(samples, time.perf_counter() - t0)
         return samples
 
     # --- failover ------------------------------------------------------------------------------
@@ -284,15 +291,31 @@ class FleetEngine:
 
     # --- weights and control -----------------------------------------------------------------
     def _sync(self, m: Member) -> None:
+        """All a (re)started server needs: the current weights and draft."""
         m.sync(m.client, self._version, self.params)
+        push_draft(m.client, self.draft)
+
+    def update_draft(self, version: int, params: Any) -> None:
+        """Every server gets the speculative draft's weights directly (a restarted one with its target's)."""
+        if self.draft_cfg is None:
+            raise EngineError(f"the rollout fleet behind {self.router.url} was started without a draft")
+        self.draft = SpecDraft(self.draft_cfg, params, version, self.num_steps)
+        self._each(lambda m: push_draft(m.client, self.draft))
+
+    def take_stats(self) -> dict[str, float]:
+        return self.meter.take()
 
     def update_weights(self, version: int, params: Any) -> None:
         """Every server gets the weights directly; one that fails is replaced (restarted ones get them too)."""
         self.params, self._version = params, version
+        self._each(lambda m: m.sync(m.client, version, params))  # the draft follows by update_draft
+
+    def _each(self, send: Callable[[Member], None]) -> None:
+        """A weight update to each server; one that fails is replaced (a restarted one gets every weight)."""
         self._heal()
         for m in list(self.members):
             try:
-                self._sync(m)
+                send(m)
             except ServerDown as e:
                 self._replace(m, f"the weight update failed: {e}")
         if not self.members:
@@ -334,7 +357,8 @@ class FleetEngine:
 
 def start_fleet(cfg: ModelConfig, params: Any, version: int, *, n: int, server_command: Callable[[int, int, bool],
                 list[str]], sync_for: Callable[[], Sync], output_dir: str, policy: str, timeout_s: float,
-                max_inflight: int, recovery: RecoveryPolicy, cwd: str, router_fault: int = 0) -> FleetEngine:
+                max_inflight: int, recovery: RecoveryPolicy, cwd: str, router_fault: int = 0,
+                draft_cfg: ModelConfig | None = None, num_steps: int = 0) -> FleetEngine:
     """Start n servers (server_command(index, port, first)) and the router over them; the engine over both."""
     procs = [ServerProcess(lambda port, first, i=i: server_command(i, port, first),
                            os.path.join(output_dir, f"rollout_server_{i}.log"), recovery.start_timeout_s, cwd=cwd)
@@ -359,11 +383,13 @@ def start_fleet(cfg: ModelConfig, params: Any, version: int, *, n: int, server_c
         raise EngineError(f"the rollout fleet did not start: {e}") from None
     return FleetEngine(cfg, params, version, members=members, router=router, timeout_s=timeout_s,
                        max_inflight=max_inflight, recovery=recovery, router_fault=router_fault,
-                       record_path=os.path.join(output_dir, "rollout_fleet.jsonl"))
+                       record_path=os.path.join(output_dir, "rollout_fleet.jsonl"), draft_cfg=draft_cfg,
+                       num_steps=num_steps)
 
 
 def adopt_fleet(cfg: ModelConfig, params: Any, version: int, *, router_url: str, sync_for: Callable[[], Sync],
-                timeout_s: float, max_inflight: int, recovery: RecoveryPolicy) -> FleetEngine:
+                timeout_s: float, max_inflight: int, recovery: RecoveryPolicy,
+                draft_cfg: ModelConfig | None = None, num_steps: int = 0) -> FleetEngine:
     """The servers an existing router lists (on any machine): generation through it, weights to each directly."""
     router = Router(router_url, timeout_s)
     try:
@@ -376,6 +402,6 @@ def adopt_fleet(cfg: ModelConfig, params: Any, version: int, *, router_url: str,
     members = [Member(i, SGLangClient(u, timeout_s, 1), sync_for()) for i, u in enumerate(urls)]
     try:
         return FleetEngine(cfg, params, version, members=members, router=router, timeout_s=timeout_s,
-                           max_inflight=max_inflight, recovery=recovery)
+                           max_inflight=max_inflight, recovery=recovery, draft_cfg=draft_cfg, num_steps=num_steps)
     except ServerDown as e:
         raise EngineError(f"--rollout_router_url={router_url}: a server it lists does not take weights: {e}") from None

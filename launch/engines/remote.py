@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from launch.engines.base import EngineError, Request, Sample, chunked
+from launch.engines.base import EngineError, Request, Sample, SpecDraft, SpecMeter, chunked
 from launch.engines.sglang_client import ConnectionDropped, ServerDown, SGLangClient
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
@@ -117,18 +117,40 @@ def check_samples(samples: Sequence[Sample], version: int, vocab_limit: int, who
                           f"with --vocab-limit {vocab_limit} so those rows are never sampled")
 
 
+def check_spec(samples: Sequence[Sample], draft: SpecDraft, who: str) -> None:
+    """Refuse samples that a speculating server produced without the current draft (or did not speculate at all):
+    they are still plain decoding's, but its acceptance would be the stale draft's (Miles #1926 hid such a bug)."""
+    for s in samples:
+        if s.spec is None:
+            raise EngineError(f"{who} returned a sample without speculation counts (meta_info.spec_accept_histogram): "
+                              "start it with --speculative-algorithm STANDALONE --speculative-draft-model-path DIR")
+        if s.spec.draft_version != draft.version or len(s.spec.histogram) != draft.num_steps + 1:
+            raise EngineError(f"{who} speculated with draft version {s.spec.draft_version} and k = "
+                              f"{len(s.spec.histogram) - 1}, expected version {draft.version} and k = "
+                              f"{draft.num_steps} (--speculative_num_steps): its draft is not the trainer's")
+
+
+def push_draft(client: SGLangClient, draft: SpecDraft | None) -> None:
+    """Send a draft's weights to a speculating server (draft_only: the target's weights stay)."""
+    if draft is not None:
+        client.update_weights_from_tensor(hf.named_tensors(draft.cfg, draft.params), draft.version, draft_only=True)
+
+
 class RemoteEngine:
     """The engine interface over an SGLang-compatible server.
 
     `sync(client, version, params)` pushes weights to the server (by tensor, disk or a process group);
     a sync with state (weight_group.DistributedSync) has `reset(client)`, called on recovery and close.
     With `process`, this engine owns the server: it starts it now and restarts it on failure.
+    With `draft_cfg` the server speculates: update_draft sends it the draft's weights (again after a recovery),
+    and take_stats returns the acceptance its replies report.
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, *, url: str = "",
                  process: ServerProcess | None = None, sync: Callable[[SGLangClient, int, Any], None],
                  batch_size: int = 0, timeout_s: float = 60.0, max_inflight: int = 8,
-                 recovery: RecoveryPolicy = RecoveryPolicy(), seed_mask: int | None = None):
+                 recovery: RecoveryPolicy = RecoveryPolicy(), seed_mask: int | None = None,
+                 draft_cfg: ModelConfig | None = None, num_steps: int = 0):
         if not url and process is None:
             raise ValueError("RemoteEngine needs a server URL or a server process to start")
         self.cfg, self.params, self._version = cfg, params, version
@@ -136,6 +158,9 @@ class RemoteEngine:
         self.timeout_s, self.max_inflight, self.recovery, self.seed_mask = timeout_s, max_inflight, recovery, seed_mask
         self.recoveries = 0
         self.reissues = 0  # rounds of dropped connections re-issued to a server that was alive
+        self.draft_cfg, self.num_steps = draft_cfg, num_steps
+        self.draft: SpecDraft | None = None
+        self.meter = SpecMeter()
         self.client = self._client(url) if url else self._start_owned()
         if url:
             try:
@@ -159,6 +184,7 @@ class RemoteEngine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
+        t0 = time.perf_counter()
         chunks = chunked(requests, self.batch_size)
         results: list[list[Sample] | None] = [None] * len(chunks)
         recoveries = reissues = 0
@@ -196,6 +222,9 @@ class RemoteEngine:
                 self._recover(down)
         samples = [s for chunk in results for s in chunk]  # type: ignore[union-attr]
         check_samples(samples, self._version, sampling.vocab_limit, f"rollout server {self.client.url}")
+        if self.draft is not None:
+            check_spec(samples, self.draft, f"rollout server {self.client.url}")
+            self.meter.record(samples, time.perf_counter() - t0)
         return samples
 
     def _recover(self, cause: ServerDown) -> None:
@@ -212,6 +241,7 @@ class RemoteEngine:
                     raise ServerDown(f"{self.client.url} does not answer /health")
                 self._reset_sync()  # a stateful sync (a weight-update group) starts afresh with this server
                 self.sync(self.client, self._version, self.params)
+                push_draft(self.client, self.draft)
                 self.recoveries += 1
                 print(f"rollout: server down ({cause}); recovered at {self.client.url} with weight version "
                       f"{self._version}, re-issuing its unanswered requests", file=sys.stderr, flush=True)
@@ -246,9 +276,23 @@ class RemoteEngine:
     # --- weights and control -----------------------------------------------------------------
     def update_weights(self, version: int, params: Any) -> None:
         self.params, self._version = params, version
+        self._deliver(lambda: self.sync(self.client, version, params))
+
+    def update_draft(self, version: int, params: Any) -> None:
+        """The speculative draft's new weights (kept, so a recovered server gets them too)."""
+        if self.draft_cfg is None:
+            raise EngineError(f"rollout server {self.client.url}: this engine was started without a draft")
+        self.draft = SpecDraft(self.draft_cfg, params, version, self.num_steps)
+        self._deliver(lambda: push_draft(self.client, self.draft))
+
+    def take_stats(self) -> dict[str, float]:
+        return self.meter.take()
+
+    def _deliver(self, send: Callable[[], None]) -> None:
+        """Run an idempotent weight update, again while the server lives, else recover it (which resends all)."""
         for attempt in range(self.recovery.max_reissues + 1):
             try:
-                self.sync(self.client, version, params)
+                send()
                 return
             except ConnectionDropped as e:  # the update is idempotent: send it again while the server lives
                 if attempt == self.recovery.max_reissues or not self._still_serving(check_version=False):

@@ -10,8 +10,11 @@ rollout server (to answer like SGLang). Shapes follow SGLang's GenerateReqInput 
     (with "return_routed_experts": true, a MoE model's meta_info also holds "routed_experts": the base64
     of int32 expert ids [prompt + completion - 1, num_hidden_layers, top_k], C order, -1 in a dense layer:
     SGLang's --enable-return-routed-experts format, which Miles decodes with np.frombuffer)
+    (a speculating server adds "spec_verify_ct": n, "spec_accept_histogram": [verifies that accepted
+    exactly j drafts, j = 0..k] and "draft_weight_version": "7")
   POST /update_weights_from_tensor {"serialized_named_tensors": [str], "load_format": str,
        "flush_cache": bool, "weight_version": str} -> {"success": bool, "message": str}
+    ("draft_only": true: the tensors are the speculative draft's; "disable_draft_model": true: the target's only)
   POST /update_weights_from_disk {"model_path": str, "weight_version": str} -> {"success", "message"}
   POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
        "group_name", "backend"}; POST /update_weights_from_distributed {"names", "dtypes", "shapes",
@@ -43,7 +46,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import ops
-from launch.engines.base import EngineError, Request, Sample
+from launch.engines.base import EngineError, Request, Sample, SpecInfo
 from miles_fn.config import ModelConfig
 from miles_fn.sampling import SamplingConfig
 
@@ -137,11 +140,15 @@ def parse_generate_reply(reply: Any, n: int, where: str, routes_cfg: ModelConfig
                 routed = None
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{where}: /generate output {i} is malformed ({type(e).__name__}: {e})") from None
+        try:
+            spec = parse_spec_meta(meta, len(tokens))
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"{where}: /generate output {i}: {e}") from None
         if "output_ids" in item and list(item["output_ids"]) != tokens:
             raise EngineError(f"{where}: /generate output {i}: output_ids disagree with output_token_logprobs")
         if reason not in ("stop", "length"):
             raise EngineError(f"{where}: /generate output {i} finished with {meta['finish_reason']!r}")
-        out.append(Sample(tokens, logprobs, reason, version, routed))
+        out.append(Sample(tokens, logprobs, reason, version, routed, spec))
     return out
 
 
@@ -164,9 +171,37 @@ def generate_reply(samples: Sequence[Sample], prompt_lens: Sequence[int], routes
                 "weight_version": str(s.weight_version),
                 **({} if routes_cfg is None or s.routed_experts is None
                    else {"routed_experts": encode_routes(s.routed_experts, routes_cfg)}),
+                **({} if s.spec is None else spec_meta(s.spec)),
             },
         })
     return out
+
+
+def spec_meta(spec: SpecInfo) -> dict[str, Any]:
+    """A speculating server's per-request meta_info (SGLang's spec_verify_ct and spec_accept_histogram, and
+    the draft's weight version, which SGLang does not report)."""
+    return {"spec_verify_ct": sum(spec.histogram), "spec_accept_histogram": list(spec.histogram),
+            "draft_weight_version": str(spec.draft_version)}
+
+
+def parse_spec_meta(meta: dict[str, Any], n_tokens: int) -> SpecInfo | None:
+    """SpecInfo from a reply's meta_info (None when the server did not speculate); ValueError naming the field."""
+    hist = meta.get("spec_accept_histogram")
+    if hist is None:
+        return None
+    if not isinstance(hist, list) or len(hist) < 2:
+        raise ValueError(f"spec_accept_histogram: a list of k+1 >= 2 counts is required, got {show(hist)}")
+    counts = tuple(strict_int(c, "spec_accept_histogram", 0) for c in hist)
+    verifies = sum(counts)
+    if n_tokens and not (n_tokens - 1) / max(len(counts), 1) <= verifies <= n_tokens - 1:
+        raise ValueError(f"spec_accept_histogram {show(hist)}: {verifies} verifies cannot emit {n_tokens - 1} tokens "
+                         f"after the first (each emits 1..{len(counts)})")
+    v = meta.get("draft_weight_version")
+    try:
+        draft_version = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"draft_weight_version: an integer string is required, got {show(v)}") from None
+    return SpecInfo(counts, draft_version)
 
 
 def abort_reply(n_prompt: int) -> dict[str, Any]:
@@ -303,6 +338,7 @@ def decode_tensors(blob: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"serialized_named_tensors: not base64 safetensors ({type(e).__name__}: {e})") from None
 
 
-def tensor_update_body(named: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+def tensor_update_body(named: dict[str, torch.Tensor], version: int, draft_only: bool = False) -> dict[str, Any]:
+    """draft_only (SGLang's field): the tensors are the speculative draft's, not the target's."""
     return {"serialized_named_tensors": [encode_tensors(named)], "load_format": TENSOR_FORMAT,
-            "flush_cache": True, "weight_version": str(version)}
+            "flush_cache": True, "weight_version": str(version), **({"draft_only": True} if draft_only else {})}

@@ -151,8 +151,9 @@ class SGLangClient:
             raise EngineError(f"POST {self.url}{path}: {reply.get('message')}")
         return reply
 
-    def update_weights_from_tensor(self, named: dict[str, Any], version: int) -> None:
-        self._checked("/update_weights_from_tensor", sglang_api.tensor_update_body(named, version))
+    def update_weights_from_tensor(self, named: dict[str, Any], version: int, draft_only: bool = False) -> None:
+        """draft_only: the tensors are the speculative draft's (SGLang's field of the same name)."""
+        self._checked("/update_weights_from_tensor", sglang_api.tensor_update_body(named, version, draft_only))
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
         self._checked("/update_weights_from_disk",
