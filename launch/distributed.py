@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from optree import tree_leaves
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from miles_fn import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,19 +103,47 @@ def barrier(ranks: Ranks) -> None:
         dist.barrier()
 
 
+def dtensors_loaded() -> bool:
+    """Whether DTensor's module is imported: no leaf can be a DTensor before it is. One process never imports
+    it (miles_fn.sharding and torch.distributed.checkpoint cost ~0.7 s of every start)."""
+    return "torch.distributed.tensor" in sys.modules
+
+
 def shard(state: Any, ranks: Ranks) -> Any:
     """The train state with params and moments cut into this rank's Shard(0) rows (unchanged in one process)."""
-    return state if ranks.mesh is None else sharding.shard_state(state, ranks.mesh)
+    if ranks.mesh is None:
+        return state
+    from miles_fn import sharding
+
+    return sharding.shard_state(state, ranks.mesh)
 
 
 def full(tree: Any) -> Any:
     """tree with every sharded leaf gathered (a collective: every rank calls it at the same point)."""
+    if not dtensors_loaded():
+        return tree
+    from miles_fn import sharding
+
     return sharding.gather_tree(tree) if sharding.is_sharded(tree) else tree
+
+
+def full_state(state: Any) -> Any:
+    """The state one process would hold: params and moments gathered (a collective under torchrun)."""
+    if not dtensors_loaded():
+        return state
+    from miles_fn import sharding
+
+    return sharding.full_state(state)
 
 
 def state_bytes(state: Any) -> int:
     """Bytes of params + optimizer moments this rank holds."""
-    return sharding.local_bytes((state.params, state.opt_state))
+    if dtensors_loaded():
+        from miles_fn import sharding
+
+        return sharding.local_bytes((state.params, state.opt_state))
+    leaves = [x for x in tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)]
+    return sum(x.numel() * x.element_size() for x in leaves)
 
 
 def is_collective_failure(e: BaseException) -> bool:

@@ -34,7 +34,7 @@ from launch.metrics import MetricsFileError, MetricsWriter, plot_curves, to_floa
 from launch.plugins import PluginError
 from launch.rollout import DataError
 from launch.rollout_io import RolloutFileError, load_rollout, save_rollout
-from miles_fn import lora, model, prng, routing, sharding, train
+from miles_fn import lora, model, prng, routing, train
 from miles_fn.batching import pack_right_padded
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
@@ -104,7 +104,7 @@ def setup_torch(cfg: run_flags.RunConfig) -> None:
     if cfg.deterministic:  # cuBLAS is deterministic only with a fixed workspace (set before CUDA starts)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(cfg.num_threads)
-    torch.use_deterministic_algorithms(cfg.deterministic)
+    ops.use_deterministic_algorithms(cfg.deterministic, cfg.ops.compile)
 
 
 def build(cfg: run_flags.RunConfig, ranks: distributed.Ranks = distributed.SINGLE) -> Job:
@@ -529,7 +529,7 @@ def _run_job(job: Job) -> dict[str, Any]:
     if ranks.main:
         plot_curves(writer.path, os.path.join(cfg.output_dir, "reward_curve.png"))
     summary.update(eval_success_final=last_eval, rl_seconds=time.time() - t_rl,
-                   state_hash=tree_hash(sharding.full_state(job.state)))
+                   state_hash=tree_hash(distributed.full_state(job.state)))
     if ranks.world > 1:
         summary.update(world_size=ranks.world, state_mib_per_rank=distributed.state_bytes(job.state) / 2**20)
     return summary

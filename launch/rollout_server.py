@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.watch_parent:
         threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(args.num_threads)
-    torch.use_deterministic_algorithms(True)
+    ops.use_deterministic_algorithms(True)
     try:
         cfg, params = hf.load_hf(args.model_path)
         version = int(args.weight_version)

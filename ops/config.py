@@ -16,6 +16,9 @@ is batch-invariant, so mode="invariant" always decodes with torch.
 from __future__ import annotations
 
 import dataclasses
+import sys
+
+import torch
 
 MODES = ("reference", "invariant")
 ATTENTION_BACKENDS = ("torch", "flash_attn", "flash_attn_3")
@@ -60,6 +63,18 @@ class OpsConfig:
 
 REFERENCE = OpsConfig()
 INVARIANT = OpsConfig(mode="invariant")
+
+
+def use_deterministic_algorithms(mode: bool, compile: bool = False) -> None:
+    """torch.use_deterministic_algorithms(mode), without importing inductor unless compile is on.
+
+    torch's function also sets torch._inductor.config.deterministic, and importing that module costs
+    ~1.3 s of every process start on these CPUs (most of a tiny run's start-up). Inductor's flag
+    matters only where torch.compile runs, so without compile only the eager flag is set."""
+    if compile or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=False)
 
 
 def require_backends(cfg: OpsConfig) -> None:

@@ -190,3 +190,24 @@ def test_replay_of_a_damaged_snapshot_names_the_file(straight, tmp_path):
     victim.write_bytes(bytes(data))
     p = run_module("launch.replay", f"--snapshot={mine}")
     assert p.returncode == 2 and str(victim) in p.stderr and "Traceback" not in p.stderr
+
+
+def test_deterministic_mode_is_set_without_importing_inductor_or_dtensor():
+    """ops.use_deterministic_algorithms sets torch's flag, and a one-process run's start imports neither
+    inductor (torch's own setter imports it: ~1.3 s a process) nor DTensor/DCP (~0.7 s); with compile on,
+    inductor's deterministic flag is set too."""
+    code = """
+import sys, torch, ops, launch.main, launch.rollout_server, launch.replay
+ops.use_deterministic_algorithms(True)
+print(torch.are_deterministic_algorithms_enabled(),
+      [m for m in ("torch._inductor.config", "torch.distributed.tensor", "torch.distributed.checkpoint")
+       if m in sys.modules])
+ops.use_deterministic_algorithms(False)
+print(torch.are_deterministic_algorithms_enabled())
+ops.use_deterministic_algorithms(True, compile=True)
+import torch._inductor.config as ic
+print(torch.are_deterministic_algorithms_enabled(), ic.deterministic)
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("\n")[:3] == ["True []", "False", "True True"], p.stdout
