@@ -11,8 +11,9 @@ checkpoints of a real RL run (docs/speculative-decoding.md says what that would 
 Each (policy, batch) cell times the contenders alternating, repeat after repeat, on the same prompts and keys,
 and checks that every contender's tokens are the plain engine's (the lossless rule). The plain engine runs as
 the job does (decode_backend=auto: its one-token steps in the C kernel where it builds) and on its torch path;
-speculation runs the torch forward (the C kernel does one-token steps only). The CPU is shared, so compare the
-ratios of interleaved runs rather than absolute tokens/s.
+speculation runs as the job does too (the draft's steps and the k+1-token verify in the C kernel's block steps),
+and the online draft once more on the torch forward. The CPU is shared, so compare the ratios of interleaved
+runs rather than absolute tokens/s.
 """
 
 from __future__ import annotations
@@ -148,11 +149,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "no draft (torch)": lambda p=prompts, k=key, t=target: (
                     generate(t, cfg, p, k, sampling, ops_cfg=TORCH_OPS), None),
                 "frozen draft": lambda p=prompts, k=key, t=target: generate_speculative(
-                    t, cfg, frozen.params, dcfg, p, k, sampling, args.k, ops_cfg=TORCH_OPS),
+                    t, cfg, frozen.params, dcfg, p, k, sampling, args.k, ops_cfg=JOB_OPS),
             }
             if phase == "late":
                 contenders["online draft"] = lambda p=prompts, k=key, t=target: generate_speculative(
-                    t, cfg, online.params, dcfg, p, k, sampling, args.k, ops_cfg=TORCH_OPS)
+                    t, cfg, online.params, dcfg, p, k, sampling, args.k, ops_cfg=JOB_OPS)
+                contenders["online draft (torch)"] = lambda p=prompts, k=key, t=target: generate_speculative(
+                    t, cfg, online.params, dcfg, p, k, sampling, args.k, ops_cfg=TORCH_OPS,
+                    draft_ops_cfg=TORCH_OPS)
             cell = time_cell(contenders, repeats)
             base = cell["seconds"]["no draft (job: C kernel)"]
             for name, s in cell["seconds"].items():

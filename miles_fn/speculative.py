@@ -19,9 +19,11 @@ sampler: P(accept) = p(d), the acceptance of rejection sampling (Leviathan et al
 The cache: each round writes k+1 columns to both caches; the rejected drafts' columns are marked
 invalid in the row's key mask ("rolled back" per row without moving memory), so rows accept
 different counts and finish independently (stop token, max_new_tokens) in one batch. The draft runs
-on the torch forward; so does the verify (the C decode kernel, ops.decode_cpu, does one-token steps
-only): with decode_backend="auto" plain generate may use that kernel, which rounds differently from
-the torch forward, so compare against decode_backend="torch" for rounding-level agreement.
+in the C decode kernel (ops.decode_cpu) where plain decoding would use it, and so does the verify: one
+kernel call of B x (k+1) tokens, its GEMMs over weights packed for that many rows, its sampler the
+plain kernel loop's. Under ops.INVARIANT the kernel is never used (the verify stays on the invariant
+torch forward, for the bitwise claim above); elsewhere the kernel rounds as plain decoding on the
+kernel does, to float32 rounding of the torch forward.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
 from miles_fn.generate import Generation, distinct_prompts, prefill_mask
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
+from ops import decode_cpu
 
-# The draft's numbers only decide what is proposed, never what is emitted: the fast reference ops.
-DRAFT_OPS = ops.OpsConfig(decode_backend="torch")
+# The draft's numbers only decide what is proposed, never what is emitted: the fastest reference path.
+DRAFT_OPS = ops.OpsConfig(decode_backend="auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +152,12 @@ def _prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[
     return logits[:, -1][rows], cache
 
 
-def _sample(logits: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig, oc: ops.OpsConfig
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain engine's per-step sampler and log-prob, call for call (generate_rows' loop body)."""
+def _sample(logits: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig, oc: ops.OpsConfig,
+            kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain engine's per-step sampler and log-prob, call for call (generate_rows' loop body, or with
+    `kernel` its C loop's sampler, which plain decoding on the kernel uses)."""
+    if kernel:
+        return decode_cpu.sample_rows(logits, u, sampling.logprob_temperature)
     tok, lps = sample_with_uniform(logits, u, sampling)
     if oc.invariant:
         lps = ops.token_logprobs(logits, tok, sampling.logprob_temperature, oc)
@@ -166,15 +172,22 @@ def _greedy(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig,
-           oc: ops.OpsConfig = ops.REFERENCE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           oc: ops.OpsConfig = ops.REFERENCE, kernel: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The lossless rule on one verify forward's logits [B, k+1, V], drafts [B, k], uniforms [B, k+1].
 
     Returns the target's own samples s [B, k+1] (column j from u[:, j], by the plain sampler), their
     log-probs [B, k+1], and the accepted count a [B]: the longest run with s[:, j] == drafts[:, j]. The
     row emits s[:, :a+1]: the accepted drafts (equal to the target's samples) and the target's sample
-    at the first disagreement (or the bonus after k acceptances).
+    at the first disagreement (or the bonus after k acceptances). `kernel`: the C kernel's sampler, as
+    plain decoding on the kernel samples (one call over every row and column).
     """
     k = drafts.shape[1]
+    if kernel:
+        b, t, v = logits.shape
+        s, lps = _sample(logits.reshape(b * t, v), None if u is None else u.reshape(b * t), sampling, oc, True)
+        s, lps = s.view(b, t), lps.view(b, t)
+        return s, lps, torch.cumprod((s[:, :k] == drafts).to(torch.int64), 1).sum(1)
     samples, lps = [], []
     for j in range(k + 1):  # one [B, V] call a column, the shape the plain engine's step samples
         s, lp = _sample(logits[:, j].contiguous(), None if u is None else u[:, j].contiguous(), sampling, oc)
@@ -183,6 +196,20 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor | None, s
     s = torch.stack(samples, 1)
     a = torch.cumprod((s[:, :k] == drafts).to(torch.int64), 1).sum(1)
     return s, torch.stack(lps, 1), a
+
+
+def _plans(params: model.Params, cfg: ModelConfig, cache: model.KVCache, valid: torch.Tensor, base: torch.Tensor,
+           entries: int, blocks: Sequence[int], oc: ops.OpsConfig) -> list[decode_cpu.DecodePlan] | None:
+    """C kernel plans of these block sizes over one cache where plain decoding would take the kernel, else None.
+
+    They read the caller's mask `valid` (bool, viewed as bytes: the same memory) at every step, and rope
+    table entry e of row r is position base[r] + e.
+    """
+    if not decode_cpu.chosen(oc, params, cache):
+        return None
+    cos, sin = ops.rope_tables(base[:, None] + torch.arange(entries)[None], cfg.dim_head, cfg.rope_theta)
+    return [decode_cpu.DecodePlan(params, cfg, cache, valid.view(torch.uint8), cos[:, 0], sin[:, 0], block=t)
+            for t in blocks]
 
 
 @torch.no_grad()
@@ -223,6 +250,14 @@ def generate_speculative_rows(
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
     logits, cache_t = _prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg)
     _, cache_d = _prefill(draft_params, draft_cfg, prompts, prompt_tok, positions, valid_d, width, draft_ops_cfg)
+    # The kernel's rope entries: the target's t is position lens + t (pending's is n - 1), the draft's
+    # position lens - 1 + t (its round starts one token earlier, at prev).
+    kt = kd = None
+    if n_new > 1:
+        kt = _plans(params, cfg, cache_t, valid_t, lens, n_new + k, [k + 1], ops_cfg)
+        kd = _plans(draft_params, draft_cfg, cache_d, valid_d, lens - 1, n_new + k + 1, [2, 1], draft_ops_cfg)
+    kernel_sampler = (kt is not None and sampling.top_k == 0 and sampling.top_p == 1.0
+                      and not sampling.limits(cfg.vocab_size))  # as generate_rows decides for plain decoding
 
     # The plain engine's uniforms, the same call; k+1 spare rows for the verify columns past max_new_tokens.
     u = None
@@ -235,7 +270,7 @@ def generate_speculative_rows(
     out_tok = torch.zeros(b, n_new + k + 1, dtype=torch.int64)
     out_lp = torch.zeros(b, n_new + k + 1, dtype=torch.float32)
 
-    tok, lps = _sample(logits, None if u is None else u[0], sampling, ops_cfg)
+    tok, lps = _sample(logits, None if u is None else u[0], sampling, ops_cfg, kernel_sampler)
     out_tok[:, 0], out_lp[:, 0] = tok, lps
     n = torch.ones(b, dtype=torch.int64)  # tokens emitted per row
     done = torch.isin(tok, stop) | (n >= n_new)
@@ -252,23 +287,34 @@ def generate_speculative_rows(
         # Draft: [prev, pending] at columns col, col+1, then d_1..d_{k-1} one a step at col+2 .. col+k.
         valid_d[:, col] = prev_valid
         valid_d[:, col + 1 : col + k + 1] = True  # tentative: a query only sees the columns before it
-        m2 = valid_d[:, None, : col + 2].repeat(1, 2, 1)
-        m2[:, 0, col], m2[:, 0, col + 1] = True, False
-        dl = model.forward(draft_params, draft_cfg, torch.stack([prev, pending], 1),
-                           torch.stack([pos - 1, pos], 1).clamp(min=0), m2, cache_d, col, ops_cfg=draft_ops_cfg)
-        drafts = [_greedy(dl[:, -1], sampling)]
-        for j in range(1, k):
-            dl = model.forward(draft_params, draft_cfg, drafts[-1][:, None], (pos + j)[:, None],
-                               valid_d[:, None, : col + j + 2], cache_d, col + j + 1, ops_cfg=draft_ops_cfg)
-            drafts.append(_greedy(dl[:, -1], sampling))
+        if kd is not None:  # prev's own column is masked when invalid: its output is unused either way
+            dl = kd[0].block_step(torch.stack([prev, pending], 1), n - 1, col)
+            drafts = [_greedy(dl[:, -1], sampling)]
+            for j in range(1, k):
+                drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], n + j, col + j + 1)[:, -1], sampling))
+        else:
+            m2 = valid_d[:, None, : col + 2].repeat(1, 2, 1)
+            m2[:, 0, col], m2[:, 0, col + 1] = True, False
+            dl = model.forward(draft_params, draft_cfg, torch.stack([prev, pending], 1),
+                               torch.stack([pos - 1, pos], 1).clamp(min=0), m2, cache_d, col, ops_cfg=draft_ops_cfg)
+            drafts = [_greedy(dl[:, -1], sampling)]
+            for j in range(1, k):
+                dl = model.forward(draft_params, draft_cfg, drafts[-1][:, None], (pos + j)[:, None],
+                                   valid_d[:, None, : col + j + 2], cache_d, col + j + 1, ops_cfg=draft_ops_cfg)
+                drafts.append(_greedy(dl[:, -1], sampling))
         d = torch.stack(drafts, 1)  # [B, k]
 
         # Verify: [pending, d_1..d_k] at columns col..col+k, causal within the block.
-        mask = torch.cat([valid_t[:, None, :col].expand(b, k + 1, col), causal_blk[None].expand(b, k + 1, k + 1)], -1)
-        z = model.forward(params, cfg, torch.cat([pending[:, None], d], 1), pos[:, None] + span[None], mask,
-                          cache_t, col, ops_cfg=ops_cfg)
+        block = torch.cat([pending[:, None], d], 1)
+        if kt is not None:
+            valid_t[:, col : col + k + 1] = True  # the kernel's query j sees columns ..col+j: causal
+            z = kt[0].block_step(block, n - 1, col)
+        else:
+            mask = torch.cat([valid_t[:, None, :col].expand(b, k + 1, col),
+                              causal_blk[None].expand(b, k + 1, k + 1)], -1)
+            z = model.forward(params, cfg, block, pos[:, None] + span[None], mask, cache_t, col, ops_cfg=ops_cfg)
         idx = n[:, None] + span[None]  # [B, k+1]: the emitted index each verify column would take
-        s, slp, a = verify(z, d, None if u is None else u[idx, rows[:, None]], sampling, ops_cfg)
+        s, slp, a = verify(z, d, None if u is None else u[idx, rows[:, None]], sampling, ops_cfg, kernel_sampler)
         m = torch.minimum(a + 1, n_new - n)  # tokens this round emits: s_0 .. s_a, capped
         hit = torch.isin(s, stop) & (span[None] < m[:, None])
         if sampling.stop_token_ids:

@@ -2,8 +2,11 @@
 
 At batch 32 on the tiny model a torch decode step is ~100 ops of 5-10 us dispatch each around
 ~0.7 ms of GEMM: the overhead is most of the step. The C kernel runs the same decoder (the same
-weights, cache layout and rope tables) with its GEMMs on the BLAS torch links (sgemm_) and
-everything else as plain loops, so a step costs about its GEMMs. Its reductions (norms, attention)
+weights, cache layout and rope tables) with its GEMMs on the BLAS torch links (sgemm_), or up to 8
+rows on its own few-row GEMM (one pass over each weight for all rows), and everything else as plain
+loops, so a step costs about its GEMMs. A plan can carry several tokens a row (block_step: the k+1
+tokens of a speculative verify, causal within the block), which at 1-8 rows costs little more than
+one, as it streams the same weights. Its reductions (norms, attention)
 run in another order than torch's, so its logits equal the reference forward's to float32 rounding,
 not bit for bit: ops.INVARIANT never uses it (mode="invariant" keeps the torch kernels).
 
@@ -47,6 +50,7 @@ class _Model(ctypes.Structure):
            ("cos", _P), ("sin", _P)]
         + [(n, _P) for n in ("x", "h", "qkv", "att", "gu", "scores")]
         + [("lm_head_p", _P)] + [(f"{n}_p", _PP) for n in _PACKED]
+        + [("block", ctypes.c_int64), ("small_rows", ctypes.c_int64)]
     )
 
 
@@ -96,6 +100,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                                    ctypes.c_int64, _P]
     lib.mf_decode_step.restype = ctypes.c_int
     i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.mf_block_step.argtypes = [ctypes.POINTER(_Model), i64p, i64p, ctypes.c_int64, _P]
+    lib.mf_block_step.restype = ctypes.c_int
+    lib.mf_sample_rows.argtypes = [ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(ctypes.c_double),
+                                   ctypes.c_float, i64p, _P, _P]
+    lib.mf_sample_rows.restype = None
     lib.mf_generate.argtypes = [ctypes.POINTER(_Model), _P, ctypes.POINTER(ctypes.c_double), ctypes.c_float, i64p,
                                 ctypes.c_int64, ctypes.c_int64, i64p, _P, i64p, _P,
                                 ctypes.POINTER(ctypes.c_uint8), i64p]
@@ -106,6 +115,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.mf_pack_size.restype = ctypes.c_int64
     lib.mf_pack.argtypes = [ctypes.c_int64] * 3 + [_P, _P]
     lib.mf_pack.restype = None
+    lib.mf_small_rows.argtypes = []
+    lib.mf_small_rows.restype = ctypes.c_int64
     lib.mf_max_head_dim.argtypes = []
     lib.mf_max_head_dim.restype = ctypes.c_int64
     return lib, ""
@@ -186,37 +197,74 @@ def _pack(lib: ctypes.CDLL, w: torch.Tensor, rows: int) -> torch.Tensor:
     return buf
 
 
+def small_rows(lib: ctypes.CDLL) -> int:
+    """Up to how many rows the kernel's own few-row GEMM takes a product (it streams each weight once for
+    all rows, where BLAS's small-M kernels cost far more than one pass); MILES_FN_DECODE_SMALL_GEMM=0: none."""
+    return 0 if os.environ.get("MILES_FN_DECODE_SMALL_GEMM") == "0" else int(lib.mf_small_rows())
+
+
 def packs(lib: ctypes.CDLL, rows: int) -> bool:
-    return rows >= PACK_MIN_ROWS and bool(lib.mf_pack_available()) and os.environ.get("MILES_FN_DECODE_PACK") != "0"
+    """Whether a plan of `rows` GEMM rows packs its weights for BLAS (not where the few-row GEMM takes them)."""
+    return (rows >= PACK_MIN_ROWS and rows > small_rows(lib) and bool(lib.mf_pack_available())
+            and os.environ.get("MILES_FN_DECODE_PACK") != "0")
+
+
+def _i64(t: torch.Tensor) -> Any:
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_int64))
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sampler (what DecodePlan.generate samples with) on logits [R, V], one float64 uniform
+    a row (None: greedy): (tokens [R] int64, log-probs [R] float32)."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
+    logits = logits.to(torch.float32).contiguous()
+    r, v = logits.shape
+    up = None
+    if uniforms is not None:
+        uniforms = uniforms.to(torch.float64).contiguous()
+        if uniforms.shape != (r,):
+            raise ValueError(f"sample_rows: uniforms must be [{r}], got {tuple(uniforms.shape)}")
+        up = ctypes.cast(uniforms.data_ptr(), ctypes.POINTER(ctypes.c_double))
+    tok, lp, work = torch.empty(r, dtype=torch.int64), torch.empty(r), torch.empty(2 * v)
+    lib.mf_sample_rows(r, v, _ptr(logits), up, temperature, _i64(tok), _ptr(lp), _ptr(work))
+    return tok, lp
 
 
 class DecodePlan:
     """The kernel's view of one generate call: pointers to the weights, caches and tables, plus scratch.
 
     It holds the tensors it points to, so nothing it names is freed while it lives; the caches are
-    the caller's and are written in place, as model.forward writes them.
+    the caller's and are written in place, as model.forward writes them. A uint8 contiguous key_valid
+    is the caller's too, read at every step (a speculative round edits it between steps); any other
+    is copied once. `block` is the tokens per row each step carries (block_step; step needs 1).
     """
 
     def __init__(self, params: dict[str, Any], cfg: Any, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                 key_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+                 key_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block: int = 1):
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
         if cfg.dim_head > (limit := lib.mf_max_head_dim()):
             raise ValueError(f"the CPU decode kernel takes head_dim <= {limit}, got {cfg.dim_head}")
+        if block < 1:
+            raise ValueError(f"DecodePlan: block must be >= 1, got {block}")
         self._lib = lib
         b, s = key_valid.shape
+        m = b * block  # rows of every GEMM
         d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head
         layers = [_stacked(layer) for layer in params["layers"]]
         head = params.get("lm_head", params["embed"]).contiguous()
         self._keep: list[Any] = [layers, head, params["embed"].contiguous(), params["final_norm"].contiguous()]
         self.key_valid = key_valid.to(torch.uint8).contiguous()
         self.cos, self.sin = cos.contiguous(), sin.contiguous()  # [B, n_new, D]
-        scratch = {n: torch.empty(b, w) for n, w in (("x", cfg.hidden_size), ("h", cfg.hidden_size),
+        scratch = {n: torch.empty(m, w) for n, w in (("x", cfg.hidden_size), ("h", cfg.hidden_size),
                                                       ("qkv", nq + 2 * nkv), ("att", nq),
                                                       ("gu", 2 * cfg.intermediate_size))}
         scratch["scores"] = torch.empty(s)
-        self.logits = torch.empty(b, cfg.vocab_size)
+        self.logits = torch.empty(m, cfg.vocab_size)
         self._keep += [scratch, cache]
         arrays = {n: _ptrs([layer[n] for layer in layers]) for n in _LAYER_WEIGHTS}
         arrays["k_cache"] = _ptrs([k for k, _ in cache])
@@ -228,17 +276,19 @@ class DecodePlan:
             n_new=cos.shape[1], eps=cfg.rms_norm_eps, embed=_ptr(self._keep[2]), final_norm=_ptr(self._keep[3]),
             lm_head=_ptr(head),
             key_valid=ctypes.cast(self.key_valid.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
-            cos=_ptr(self.cos), sin=_ptr(self.sin), **arrays, **{n: _ptr(t) for n, t in scratch.items()})
-        if packs(lib, b):  # once per generate call: ~one pass over the weights, then every step skips it
-            packed = {n: [_pack(lib, layer[n], b) for layer in layers] for n in _PACKED}
-            head_p = _pack(lib, head, b)
+            cos=_ptr(self.cos), sin=_ptr(self.sin), block=block, small_rows=small_rows(lib), **arrays,
+            **{n: _ptr(t) for n, t in scratch.items()})
+        if packs(lib, m):  # once per generate call: ~one pass over the weights, then every step skips it
+            packed = {n: [_pack(lib, layer[n], m) for layer in layers] for n in _PACKED}
+            head_p = _pack(lib, head, m)
             self._keep += [packed, head_p]
             parrays = {f"{n}_p": _ptrs(ts) for n, ts in packed.items()}
             self._keep.append(parrays)
             for n, v in parrays.items():
                 setattr(self._model, n, v)
             self._model.lm_head_p = _ptr(head_p)
-        self.packed = packs(lib, b)
+        self.packed = packs(lib, m)
+        self.few_rows = m <= self._model.small_rows  # every product in the few-row GEMM
         self._logits_ptr = _ptr(self.logits)
         self._work = torch.empty(2 * cfg.vocab_size)
         self._work_ptr = _ptr(self._work)
@@ -248,6 +298,8 @@ class DecodePlan:
 
         The returned tensor is the plan's buffer, overwritten by the next step.
         """
+        if self._model.block != 1:
+            raise ValueError(f"decode step: this plan carries {self._model.block} tokens a row; use block_step")
         tokens = tokens.contiguous()
         if tokens.dtype != torch.int64 or tokens.shape != (self._model.rows,):
             raise ValueError(f"decode step: tokens must be int64 of shape [{self._model.rows}], "
@@ -262,6 +314,24 @@ class DecodePlan:
                              f"({self._model.n_new} steps, {self._model.max_len} columns)")
         return self.logits
 
+    def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int) -> torch.Tensor:
+        """Logits [B, T, V] for tokens [B, T] (T = block): row r's token j goes to cache column col + j at
+        rope entry t0[r] + j and attends the columns 0..col + j that key_valid allows (mark the block's
+        columns valid first for a causal block). The plan's buffer, overwritten by the next step."""
+        b, blk = self._model.rows, self._model.block
+        tokens = tokens.to(torch.int64).contiguous()
+        t0 = t0.to(torch.int64).contiguous()
+        if tokens.shape != (b, blk) or t0.shape != (b,):
+            raise ValueError(f"block step: tokens must be [{b}, {blk}] and t0 [{b}], got {tuple(tokens.shape)} and "
+                             f"{tuple(t0.shape)}")
+        rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col, self._logits_ptr)
+        if rc == 2:
+            raise ValueError(f"block step: a token id is outside the vocabulary [0, {self._model.vocab})")
+        if rc != 0:
+            raise ValueError(f"block step at cache column {col}, rope entries {t0.tolist()} + {blk} lies outside the "
+                             f"plan ({self._model.n_new} entries, {self._model.max_len} columns)")
+        return self.logits.view(b, blk, -1)
+
     def generate(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
                  stop_token_ids: tuple[int, ...], first_col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """generate's whole decode loop in one C call, for sampling without top-k/top-p.
@@ -271,6 +341,8 @@ class DecodePlan:
         as generate's loop makes them: rows past their stop token hold 0.
         """
         b, v, n = self._model.rows, self._model.vocab, self._model.n_new
+        if self._model.block != 1:
+            raise ValueError(f"decode generate: this plan carries {self._model.block} tokens a row; it needs 1")
         if logits.shape != (b, v):
             raise ValueError(f"decode generate: logits must be [{b}, {v}], got {tuple(logits.shape)}")
         self.logits.copy_(logits)

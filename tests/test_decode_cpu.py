@@ -144,24 +144,93 @@ def test_plan_rejects_steps_and_tokens_outside_it(hf_models):
 
 
 @needs_kernel
-def test_multi_row_plans_use_weights_packed_once_with_the_same_logits(hf_models, monkeypatch):
-    """From 2 rows the plan packs its matrices once (MKL's packed GEMM, where torch's BLAS has it); the step's
-    logits equal the unpacked sgemm path's to float32 rounding. Their match with float64 is the tests above."""
+def test_plans_past_the_few_row_gemm_use_weights_packed_once_with_the_same_logits(hf_models, monkeypatch):
+    """Up to 8 rows the kernel's few-row GEMM takes every product and nothing is packed; from 9 the plan
+    packs its matrices once (MKL's packed GEMM, where torch's BLAS has it). Both give BLAS's plain sgemm
+    logits to float32 rounding. Their match with float64 is the tests above and below."""
     _, path = hf_models[("llama", False)]
     cfg, params = hf.load_hf(path)
     lib, _ = decode_cpu._library()
-    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(3, 4), cfg.dim_head, cfg.rope_theta)
+    rows_max = 12
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(rows_max, 4), cfg.dim_head, cfg.rope_theta)
+    tokens = torch.arange(1, rows_max + 1)
 
     def step(rows):
         cache = model.new_kv_cache(cfg, rows, 10)
         plan = decode_cpu.DecodePlan(params, cfg, cache, torch.ones(rows, 10, dtype=torch.bool), cos[:rows, 0],
                                      sin[:rows, 0])
-        return plan, plan.step(torch.tensor([1, 2, 3][:rows]), 0, 6).clone()
+        return plan, plan.step(tokens[:rows], 0, 6).clone()
 
-    assert not step(1)[0].packed
-    packed_plan, packed = step(3)
-    assert packed_plan.packed is bool(lib.mf_pack_available())
+    few = {r: step(r) for r in (1, 5, 8)}
+    assert all(p.few_rows and not p.packed for p, _ in few.values())
+    packed_plan, packed = step(rows_max)
+    assert not packed_plan.few_rows and packed_plan.packed is bool(lib.mf_pack_available())
     monkeypatch.setenv("MILES_FN_DECODE_PACK", "0")
-    plain_plan, plain = step(3)
-    assert not plain_plan.packed
+    monkeypatch.setenv("MILES_FN_DECODE_SMALL_GEMM", "0")
+    plain_plan, plain = step(rows_max)
+    assert not plain_plan.packed and not plain_plan.few_rows
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    for rows, (_, logits) in few.items():
+        blas_plan, blas = step(rows)
+        assert not blas_plan.few_rows
+        torch.testing.assert_close(logits, blas, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_block_steps_match_a_float64_forward_past_rejected_columns(hf_models, arch, tie):
+    """Two speculative-style rounds of T=4 tokens a row: the first round's columns are then kept per row
+    (2, 0, 4 of them, the rest masked: "rejected"), and the second round's logits must be those of a
+    float64 forward over prompt + kept tokens + the second block, with each row at its own positions."""
+    from miles_fn.generate import prefill_mask
+
+    _, path = hf_models[(arch, tie)]
+    cfg, params = hf.load_hf(path)
+    prompts, t, keep = [[3, 7, 11, 2, 9], [4], [8, 1, 30]], 4, [2, 0, 4]
+    b, lp = len(prompts), 5
+    lens = torch.tensor([len(p) for p in prompts])
+    width = lp + 2 * t
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    valid[:, :lp] = torch.arange(lp)[None] >= (lp - lens)[:, None]
+    tok = torch.tensor([[0] * (lp - len(p)) + p for p in prompts])
+    pos = torch.clamp(torch.arange(lp)[None] - (lp - lens)[:, None], min=0)
+    cache = model.new_kv_cache(cfg, b, width)
+    with torch.no_grad():
+        model.forward(params, cfg, tok, pos, prefill_mask(valid, lp), cache, 0)
+    cos, sin = ops.rope_tables(lens[:, None] + torch.arange(2 * t)[None], cfg.dim_head, cfg.rope_theta)
+    plan = decode_cpu.DecodePlan(params, cfg, cache, valid.view(torch.uint8), cos[:, 0], sin[:, 0], block=t)
+    first = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    second = torch.tensor([[17, 18, 19, 20], [21, 22, 23, 24], [25, 26, 27, 28]])
+    valid[:, lp : lp + t] = True  # the plan reads the caller's mask: causal within the block
+    plan.block_step(first, torch.zeros(b, dtype=torch.int64), lp)
+    valid[:, lp : lp + t] = torch.arange(t)[None] < torch.tensor(keep)[:, None]
+    valid[:, lp + t :] = True
+    out = torch.log_softmax(plan.block_step(second, torch.tensor(keep), lp + t).double(), -1)
+    p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
+           for k, v in params.items()}
+    for r in range(b):
+        seq = torch.tensor([prompts[r] + first[r, : keep[r]].tolist() + second[r].tolist()])
+        n = seq.shape[1]
+        with torch.no_grad():
+            ref = model.forward(p64, cfg, seq, torch.arange(n)[None], model.causal_segment_mask(torch.ones(1, n)))
+        assert torch.allclose(out[r], torch.log_softmax(ref[0, -t:], -1), atol=2e-5), r
+    with pytest.raises(ValueError, match="outside the plan"):
+        plan.block_step(second, torch.tensor([5, 0, 0]), lp + t)  # rope entries 5..8 of 8
+    with pytest.raises(ValueError, match="tokens must be"):
+        plan.block_step(second[:, :2], torch.tensor(keep), lp + t)
+    with pytest.raises(ValueError, match="use block_step"):
+        plan.step(second[:, 0], 0, lp)
+
+
+@needs_kernel
+def test_kernel_sampler_is_the_float64_inverse_cdf():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(64, 37, generator=g)
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    tok, lp = decode_cpu.sample_rows(logits, u, 0.7)
+    p = torch.softmax(logits.double() / 0.7, -1)
+    ref = torch.searchsorted(torch.cumsum(p, -1) / p.sum(-1, keepdim=True), u[:, None], right=True)[:, 0]
+    assert torch.equal(tok, ref)
+    assert torch.allclose(lp.double(), torch.log(p.gather(-1, ref[:, None])[:, 0]), atol=1e-5)
+    greedy, _ = decode_cpu.sample_rows(logits, None, 1.0)
+    assert torch.equal(greedy, logits.argmax(-1))

@@ -68,16 +68,32 @@ def test_reference_ops_same_tokens_logprobs_to_rounding(models, k):
 
 
 @pytest.mark.skipif(bool(decode_cpu.status()), reason="no C decode kernel here")
-def test_same_tokens_as_the_c_decode_kernel(models):
-    """decode_backend='auto' decodes plain generate with the C kernel; speculation runs the torch forward."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_on_the_c_kernel_the_same_tokens_as_plain_decoding_on_it(models, monkeypatch, k):
+    """decode_backend='auto': plain generate decodes with the C kernel, speculation drafts and verifies with
+    its block steps (k+1 tokens a row in one call). Same tokens, log-probs to float32 rounding."""
+    blocks = []
+    real = decode_cpu.DecodePlan.block_step
+
+    def counted(self, tokens, t0, col):
+        blocks.append((self._model.hidden, tokens.shape[1]))
+        return real(self, tokens, t0, col)
+
+    monkeypatch.setattr(decode_cpu.DecodePlan, "block_step", counted)
     target, drafts = models
-    draft, dcfg = drafts[1]
-    s = SAMPLINGS[0]
     auto = ops.OpsConfig(decode_backend="auto")
-    plain, spec, _ = _both(target, draft, dcfg, s, 3, auto)
-    assert spec.tokens == plain.tokens
-    for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    for draft, dcfg in drafts:
+        for s in SAMPLINGS:
+            plain, spec, _ = _both(target, draft, dcfg, s, k, auto)
+            assert spec.tokens == plain.tokens
+            assert spec.finish_reasons == plain.finish_reasons
+            for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    # the verify and the (hidden-32) draft's first forward ran in the kernel
+    assert (CFG.hidden_size, k + 1) in blocks and (DRAFT_CFG.hidden_size, 2) in blocks
+    blocks.clear()
+    _both(target, drafts[0][0], DRAFT_CFG, SAMPLINGS[0], k, ops.INVARIANT)
+    assert blocks and all(h == DRAFT_CFG.hidden_size for h, _ in blocks)  # the target never under invariant ops
 
 
 def test_acceptance_rule_on_hand_built_distributions():

@@ -10,6 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 extern void sgemm_(const char *transa, const char *transb, const int *m, const int *n, const int *k,
                    const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
@@ -38,10 +41,12 @@ typedef struct {
     float **k_cache, **v_cache;          /* per layer [B, Hkv, S, D] */
     const uint8_t *key_valid;            /* [B, S]: 0 at left padding */
     const float *cos, *sin;              /* [B, n_new, D]: rope_tables' cos and signed sin */
-    float *x, *h, *qkv, *att, *gu, *scores;  /* scratch: [B,H] [B,H] [B,nq+2nkv] [B,nq] [B,2I] [S] */
+    float *x, *h, *qkv, *att, *gu, *scores;  /* scratch: [BT,H] [BT,H] [BT,nq+2nkv] [BT,nq] [BT,2I] [S] */
     /* mf_pack'ed copies of the matrices for B rows, or NULL (then sgemm_ on the plain ones) */
     const float *lm_head_p;
     const float **wqkv_p, **wo_p, **wgu_p, **w_down_p;
+    int64_t block;                       /* T: tokens per row a step carries (scratch and packing are for B*T rows) */
+    int64_t small_rows;                  /* products of up to this many rows (<= SMALL_ROWS) take gemm_few_rows */
 } Model;
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
@@ -85,11 +90,76 @@ static inline v8 exp8(v8 x) {
     return (v8)((((i8)y + (n << 23)) & keep) | nan);  /* all bits set: a NaN */
 }
 
-/* y[rows, n] (row stride ldy) = x[rows, k] (row stride ldx) w[n, k]^T (+ y when accumulate): the transposed
- * column-major GEMM, or MKL's compute on `packed` (w packed by mf_pack for these rows) when given. */
+/* acc + a*b on 8 lanes: one fused multiply-add where the machine has it (explicitly: -ffp-contract=off
+ * keeps the compiler from fusing anything on its own), else a multiply and an add. */
+static inline v8 fma8(v8 a, v8 b, v8 acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+/* y[R, n] (+)= x[R, k] w[n, k]^T for few rows (R <= SMALL_ROWS): each weight row is read once, in one
+ * stream, and used for all R rows; KK accumulators a row over interleaved 8-float chunks of k make R*KK
+ * independent add chains, enough to hide the FMA latency. At 1-8 rows a decode step or a speculative
+ * verify then only streams its weights (BLAS's small-M kernels took a 4-row product to ~1.8x a 1-row one
+ * here). Each output sums its KK accumulators in order, then the 8 lanes (hsum), then the k % 8 tail:
+ * a fixed order, the same at every call. */
+#define SMALL_ROWS 8
+static inline __attribute__((always_inline)) void gemm_small(const float *x, int64_t ldx, const float *w, float *y,
+                                                             int64_t ldy, int64_t n, int64_t k, int accumulate,
+                                                             const int R, const int KK) {
+    const int64_t kb = k - k % (8 * KK), k8 = k & ~(int64_t)7;
+    for (int64_t j = 0; j < n; j++) {
+        const float *wj = w + j * k;
+        v8 a[SMALL_ROWS][8];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < KK; u++) a[r][u] = splat(0.0f);
+        for (int64_t c = 0; c < kb; c += 8 * KK)
+            for (int u = 0; u < KK; u++) {
+                const v8 wv = load8(wj + c + 8 * u);
+                for (int r = 0; r < R; r++) a[r][u] = fma8(wv, load8(x + r * ldx + c + 8 * u), a[r][u]);
+            }
+        for (int64_t c = kb; c < k8; c += 8) {
+            const v8 wv = load8(wj + c);
+            for (int r = 0; r < R; r++) a[r][0] = fma8(wv, load8(x + r * ldx + c), a[r][0]);
+        }
+        for (int r = 0; r < R; r++) {
+            v8 t = a[r][0];
+            for (int u = 1; u < KK; u++) t += a[r][u];
+            float s = hsum(t);
+            for (int64_t c = k8; c < k; c++) s += x[r * ldx + c] * wj[c];
+            float *out = y + r * ldy + j;
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+
+static void gemm_few_rows(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows,
+                          int64_t n, int64_t k, int accumulate) {
+    switch (rows) {  /* constant R and KK: the compiler keeps the accumulators in registers */
+        case 1: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 1, 8); break;
+        case 2: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 2, 4); break;
+        case 3: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 3, 3); break;
+        case 4: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 4, 2); break;
+        case 5: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 5, 2); break;
+        case 6: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 6, 1); break;
+        case 7: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 7, 1); break;
+        default: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 8, 1); break;
+    }
+}
+
+/* y[rows, n] (row stride ldy) = x[rows, k] (row stride ldx) w[n, k]^T (+ y when accumulate): gemm_few_rows up to
+ * `small` (<= SMALL_ROWS) rows, else the transposed column-major GEMM, or MKL's compute on `packed` (w packed by mf_pack
+ * for these rows) when given. */
 static void linear(const float *x, int64_t ldx, const float *w, const float *packed, float *y, int64_t rows,
-                   int64_t n, int64_t k, int64_t ldy, int accumulate) {
+                   int64_t n, int64_t k, int64_t ldy, int accumulate, int64_t small) {
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    if (rows <= small && rows <= SMALL_ROWS) {
+        gemm_few_rows(x, ldx, w, y, ldy, rows, n, k, accumulate);
+        return;
+    }
     if (packed) {
         cblas_sgemm_compute(ROW_MAJOR, NO_TRANS, PACKED, (int)rows, (int)n, (int)k, x, (int)ldx, packed, (int)k,
                             beta, y, (int)ldy);
@@ -98,6 +168,8 @@ static void linear(const float *x, int64_t ldx, const float *w, const float *pac
     const int m_ = (int)n, n_ = (int)rows, k_ = (int)k, lda = (int)k, ldb = (int)ldx, ldc = (int)ldy;
     sgemm_("T", "N", &m_, &n_, &k_, &one, w, &lda, x, &ldb, &beta, y, &ldc);
 }
+
+int64_t mf_small_rows(void) { return SMALL_ROWS; }
 
 int mf_pack_available(void) { return cblas_sgemm_pack_get_size && cblas_sgemm_pack && cblas_sgemm_compute; }
 
@@ -194,15 +266,19 @@ static void attend_group(const float *q, const float *kc, const float *vc, const
     }
 }
 
-/* Each row's query heads over its cache columns 0..col that key_valid allows. */
+/* Each row's T queries (token j at cache column col + j) over the columns 0..col + j that key_valid
+ * allows: causal within the block when the caller has marked the block's columns valid. */
 static void attend(const Model *m, int64_t layer, int64_t col) {
-    const int64_t d = m->head_dim, hkv = m->kv_heads, groups = m->heads / hkv, s_len = m->max_len;
+    const int64_t d = m->head_dim, hkv = m->kv_heads, groups = m->heads / hkv, s_len = m->max_len, T = m->block;
     const int64_t ld = (m->heads + 2 * hkv) * d;
     for (int64_t r = 0; r < m->rows; r++)
-        for (int64_t kh = 0; kh < hkv; kh++)
-            attend_group(m->qkv + r * ld + kh * groups * d, m->k_cache[layer] + (r * hkv + kh) * s_len * d,
-                         m->v_cache[layer] + (r * hkv + kh) * s_len * d, m->key_valid + r * s_len, col + 1,
-                         groups, d, m->scores, m->att + (r * m->heads + kh * groups) * d);
+        for (int64_t j = 0; j < T; j++) {
+            const int64_t i = r * T + j;
+            for (int64_t kh = 0; kh < hkv; kh++)
+                attend_group(m->qkv + i * ld + kh * groups * d, m->k_cache[layer] + (r * hkv + kh) * s_len * d,
+                             m->v_cache[layer] + (r * hkv + kh) * s_len * d, m->key_valid + r * s_len,
+                             col + j + 1, groups, d, m->scores, m->att + (i * m->heads + kh * groups) * d);
+        }
 }
 
 /* gate <- silu(gate) * up, in place over each row's [gate | up] halves. */
@@ -220,52 +296,70 @@ static void swiglu(float *gu, int64_t rows, int64_t inter) {
 
 int64_t mf_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-/* Decode step t (cache column col) for tokens [B]: writes this step's keys/values into the caches
- * and the logits [B, V]. Returns 0; 1 when t or col lies outside the plan; 2 for a token outside the vocabulary. */
-int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
-    const int64_t B = m->rows, H = m->hidden, D = m->head_dim, nq = m->heads * D, nkv = m->kv_heads * D;
-    const int64_t I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
-    if (D > MAX_HEAD_DIM || col >= S || t >= m->n_new) return 1;
-    for (int64_t r = 0; r < B; r++)
-        if (tokens[r] < 0 || tokens[r] >= m->vocab) return 2;
-    for (int64_t r = 0; r < B; r++) memcpy(m->x + r * H, m->embed + tokens[r] * H, (size_t)H * sizeof(float));
+/* One forward of T = m->block tokens per row, tokens [B, T]: row r's token j sits at cache column col + j
+ * and takes rope table entry t0[r] + j (t0 NULL: t for every row). Writes the tokens' keys/values into the
+ * caches and their logits [B*T, V]. Returns 0; 1 when a column or table entry lies outside the plan; 2 for a
+ * token outside the vocabulary. */
+static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t t, int64_t col, float *logits) {
+    const int64_t B = m->rows, T = m->block, M = B * T, H = m->hidden, D = m->head_dim, nq = m->heads * D;
+    const int64_t nkv = m->kv_heads * D, I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
+    if (D > MAX_HEAD_DIM || col < 0 || col + T > S) return 1;
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t tr = t0 ? t0[r] : t;
+        if (tr < 0 || tr + T > m->n_new) return 1;
+    }
+    for (int64_t i = 0; i < M; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->vocab) return 2;
+    for (int64_t i = 0; i < M; i++) memcpy(m->x + i * H, m->embed + tokens[i] * H, (size_t)H * sizeof(float));
     for (int64_t l = 0; l < m->layers; l++) {
-        rms_norm(m->x, m->attn_norm[l], m->h, B, H, m->eps);
-        linear(m->h, H, m->wqkv[l], m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, B, ld, H, ld, 0);
-        for (int64_t r = 0; r < B; r++) {
-            float *row = m->qkv + r * ld;
+        rms_norm(m->x, m->attn_norm[l], m->h, M, H, m->eps);
+        linear(m->h, H, m->wqkv[l], m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, M, ld, H, ld, 0, m->small_rows);
+        for (int64_t i = 0; i < M; i++) {
+            const int64_t r = i / T, j = i % T, e = r * m->n_new + (t0 ? t0[r] : t) + j;
+            float *row = m->qkv + i * ld;
             if (m->bqkv[l])
-                for (int64_t j = 0; j < ld; j++) row[j] += m->bqkv[l][j];
-            const float *c = m->cos + (r * m->n_new + t) * D, *s = m->sin + (r * m->n_new + t) * D;
-            rope(row, c, s, m->heads + m->kv_heads, D);  /* q heads, then k heads */
+                for (int64_t c = 0; c < ld; c++) row[c] += m->bqkv[l][c];
+            rope(row, m->cos + e * D, m->sin + e * D, m->heads + m->kv_heads, D);  /* q heads, then k heads */
             for (int64_t kh = 0; kh < m->kv_heads; kh++) {
-                const int64_t off = ((r * m->kv_heads + kh) * S + col) * D;
+                const int64_t off = ((r * m->kv_heads + kh) * S + col + j) * D;
                 memcpy(m->k_cache[l] + off, row + nq + kh * D, (size_t)D * sizeof(float));
                 memcpy(m->v_cache[l] + off, row + nq + nkv + kh * D, (size_t)D * sizeof(float));
             }
         }
         attend(m, l, col);
-        linear(m->att, nq, m->wo[l], m->wo_p ? m->wo_p[l] : NULL, m->x, B, H, nq, H, 1);  /* x += attention output */
-        rms_norm(m->x, m->mlp_norm[l], m->h, B, H, m->eps);
-        linear(m->h, H, m->wgu[l], m->wgu_p ? m->wgu_p[l] : NULL, m->gu, B, 2 * I, H, 2 * I, 0);
-        swiglu(m->gu, B, I);
-        /* x += MLP output: the gate halves of gu are the [B, I] input at row stride 2I */
-        linear(m->gu, 2 * I, m->w_down[l], m->w_down_p ? m->w_down_p[l] : NULL, m->x, B, H, I, H, 1);
+        /* x += attention output */
+        linear(m->att, nq, m->wo[l], m->wo_p ? m->wo_p[l] : NULL, m->x, M, H, nq, H, 1, m->small_rows);
+        rms_norm(m->x, m->mlp_norm[l], m->h, M, H, m->eps);
+        linear(m->h, H, m->wgu[l], m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0, m->small_rows);
+        swiglu(m->gu, M, I);
+        /* x += MLP output: the gate halves of gu are the [M, I] input at row stride 2I */
+        linear(m->gu, 2 * I, m->w_down[l], m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
+               m->small_rows);
     }
-    rms_norm(m->x, m->final_norm, m->h, B, H, m->eps);
-    linear(m->h, H, m->lm_head, m->lm_head_p, logits, B, m->vocab, H, m->vocab, 0);
+    rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
+    linear(m->h, H, m->lm_head, m->lm_head_p, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
     return 0;
+}
+
+/* Decode step t (cache column col) for tokens [B] of a one-token plan (block 1). */
+int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
+    if (m->block != 1) return 1;
+    return forward(m, tokens, NULL, t, col, logits);
+}
+
+/* A block step (tokens [B, block], row r's first at rope entry t0[r]), e.g. a speculative verify forward. */
+int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits) {
+    return forward(m, tokens, t0, 0, col, logits);
 }
 
 /* One token per row of logits [B, V] at temperature T, as miles_fn.sampling.sample_with_uniform without
  * top-k/top-p: logp = (x/T - max) - log(sum e^(x/T - max)); greedy (u == NULL) takes the first argmax,
  * otherwise the first token whose float64 cumulative probability, divided by the total, exceeds u[r].
  * Writes the token to tok[r * stride] and its logp to lp[r * stride]; work holds 2V floats. */
-void mf_sample(const Model *m, const float *logits, const double *u, float temperature, int64_t *tok, float *lp,
-               int64_t stride, float *work) {
-    const int64_t V = m->vocab;
+static void sample(int64_t rows, int64_t V, const float *logits, const double *u, float temperature, int64_t *tok,
+                   float *lp, int64_t stride, float *work) {
     float *scaled = work, *prob = work + V;
-    for (int64_t r = 0; r < m->rows; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         const float *lr = logits + r * V;
         float mx = -INFINITY;
         int64_t arg = 0;
@@ -296,6 +390,12 @@ void mf_sample(const Model *m, const float *logits, const double *u, float tempe
     }
 }
 
+/* The same sampler over `rows` rows of logits [rows, V] (u [rows] or NULL), tok/lp [rows]. */
+void mf_sample_rows(int64_t rows, int64_t V, const float *logits, const double *u, float temperature, int64_t *tok,
+                    float *lp, float *work) {
+    sample(rows, V, logits, u, temperature, tok, lp, 1, work);
+}
+
 /* generate's decode loop for plain temperature (or greedy, u == NULL) sampling: step t samples column t
  * of tok/lp [B, n_new] from logits (the prefill's on entry; the plan's buffer after), then, unless it is
  * the last, runs the decode step of those tokens at cache column first_col + t. With stop tokens a row
@@ -308,7 +408,7 @@ int mf_generate(const Model *m, float *logits, const double *u, float temperatur
     const int64_t B = m->rows, n = m->n_new;
     for (int64_t r = 0; r < B; r++) { live[r] = 1; n_out[r] = 0; }
     for (int64_t t = 0; t < n; t++) {
-        mf_sample(m, logits, u ? u + t * B : NULL, temperature, tok + t, lp + t, n, work);
+        sample(B, m->vocab, logits, u ? u + t * B : NULL, temperature, tok + t, lp + t, n, work);
         int64_t n_live = 0;
         for (int64_t r = 0; r < B; r++) {
             int64_t *tr = tok + r * n + t;
