@@ -42,7 +42,7 @@ typedef struct {
     const uint8_t *key_valid;            /* [B, S]: 0 at left padding */
     const float *cos, *sin;              /* [B, n_new, D]: rope_tables' cos and signed sin */
     float *x, *h, *qkv, *att, *gu, *scores;  /* scratch: [BT,H] [BT,H] [BT,nq+2nkv] [BT,nq] [BT,2I] [S] */
-    /* mf_pack'ed copies of the matrices for B rows, or NULL (then sgemm_ on the plain ones) */
+    /* mf_pack'ed copies of the matrices for B*T rows, or NULL (then sgemm_ or gemm_few_rows on the plain ones) */
     const float *lm_head_p;
     const float **wqkv_p, **wo_p, **wgu_p, **w_down_p;
     int64_t block;                       /* T: tokens per row a step carries (scratch and packing are for B*T rows) */
