@@ -164,6 +164,11 @@ def _sample(logits: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConf
     return tok, lps
 
 
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x's rows `rows` (None: all of x)."""
+    return x if rows is None else x[rows]
+
+
 def _greedy(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """The draft's proposal: its argmax over the ids the target may sample (vocab_limit)."""
     if sampling.limits(logits.shape[-1]):
@@ -287,11 +292,16 @@ def generate_speculative_rows(
         # Draft: [prev, pending] at columns col, col+1, then d_1..d_{k-1} one a step at col+2 .. col+k.
         valid_d[:, col] = prev_valid
         valid_d[:, col + 1 : col + k + 1] = True  # tentative: a query only sees the columns before it
+        # On the kernel only the live rows are computed (finished rows cost nothing): li, None when all are live.
+        li = None if bool(live.all()) else torch.nonzero(live).squeeze(1)
         if kd is not None:  # prev's own column is masked when invalid: its output is unused either way
-            dl = kd[0].block_step(torch.stack([prev, pending], 1), n - 1, col)
+            dl = kd[0].block_step(_take(torch.stack([prev, pending], 1), li), _take(n - 1, li), col, li)
             drafts = [_greedy(dl[:, -1], sampling)]
             for j in range(1, k):
-                drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], n + j, col + j + 1)[:, -1], sampling))
+                drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], _take(n + j, li), col + j + 1, li)[:, -1],
+                                      sampling))
+            if li is not None:  # back to [B]: a finished row's drafts are never read
+                drafts = [torch.zeros(b, dtype=torch.int64).index_copy_(0, li, x) for x in drafts]
         else:
             m2 = valid_d[:, None, : col + 2].repeat(1, 2, 1)
             m2[:, 0, col], m2[:, 0, col + 1] = True, False
@@ -308,13 +318,20 @@ def generate_speculative_rows(
         block = torch.cat([pending[:, None], d], 1)
         if kt is not None:
             valid_t[:, col : col + k + 1] = True  # the kernel's query j sees columns ..col+j: causal
-            z = kt[0].block_step(block, n - 1, col)
+            z = kt[0].block_step(_take(block, li), _take(n - 1, li), col, li)
         else:
             mask = torch.cat([valid_t[:, None, :col].expand(b, k + 1, col),
                               causal_blk[None].expand(b, k + 1, k + 1)], -1)
             z = model.forward(params, cfg, block, pos[:, None] + span[None], mask, cache_t, col, ops_cfg=ops_cfg)
         idx = n[:, None] + span[None]  # [B, k+1]: the emitted index each verify column would take
-        s, slp, a = verify(z, d, None if u is None else u[idx, rows[:, None]], sampling, ops_cfg, kernel_sampler)
+        uv = None if u is None else u[idx, rows[:, None]]
+        if li is None or kt is None:
+            s, slp, a = verify(z, d, uv, sampling, ops_cfg, kernel_sampler)
+        else:  # the live rows' verify, scattered back to [B] (finished rows: zeros, never emitted)
+            s_l, lp_l, a_l = verify(z, d[li], None if uv is None else uv[li], sampling, ops_cfg, kernel_sampler)
+            s = torch.zeros(b, k + 1, dtype=torch.int64).index_copy_(0, li, s_l)
+            slp = torch.zeros(b, k + 1).index_copy_(0, li, lp_l)
+            a = torch.zeros(b, dtype=torch.int64).index_copy_(0, li, a_l)
         m = torch.minimum(a + 1, n_new - n)  # tokens this round emits: s_0 .. s_a, capped
         hit = torch.isin(s, stop) & (span[None] < m[:, None])
         if sampling.stop_token_ids:

@@ -100,7 +100,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                                    ctypes.c_int64, _P]
     lib.mf_decode_step.restype = ctypes.c_int
     i64p = ctypes.POINTER(ctypes.c_int64)
-    lib.mf_block_step.argtypes = [ctypes.POINTER(_Model), i64p, i64p, ctypes.c_int64, _P]
+    lib.mf_block_step.argtypes = [ctypes.POINTER(_Model), i64p, i64p, ctypes.c_int64, _P, i64p, ctypes.c_int64]
     lib.mf_block_step.restype = ctypes.c_int
     lib.mf_sample_rows.argtypes = [ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(ctypes.c_double),
                                    ctypes.c_float, i64p, _P, _P]
@@ -314,23 +314,33 @@ class DecodePlan:
                              f"({self._model.n_new} steps, {self._model.max_len} columns)")
         return self.logits
 
-    def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int) -> torch.Tensor:
-        """Logits [B, T, V] for tokens [B, T] (T = block): row r's token j goes to cache column col + j at
-        rope entry t0[r] + j and attends the columns 0..col + j that key_valid allows (mark the block's
-        columns valid first for a causal block). The plan's buffer, overwritten by the next step."""
+    def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Logits [R, T, V] for tokens [R, T] (T = block) of the plan's rows `rows` (int64 [R], distinct;
+        None: all B, in order): row rows[i]'s token j goes to its cache column col + j at its rope entry
+        t0[i] + j and attends the columns 0..col + j that key_valid allows (mark the block's columns valid
+        first for a causal block). Rows left out are not computed and their caches are not touched: the
+        rows that have finished cost nothing. The plan's buffer, overwritten by the next step."""
         b, blk = self._model.rows, self._model.block
+        n = b if rows is None else int(rows.shape[0])
         tokens = tokens.to(torch.int64).contiguous()
         t0 = t0.to(torch.int64).contiguous()
-        if tokens.shape != (b, blk) or t0.shape != (b,):
-            raise ValueError(f"block step: tokens must be [{b}, {blk}] and t0 [{b}], got {tuple(tokens.shape)} and "
+        if tokens.shape != (n, blk) or t0.shape != (n,):
+            raise ValueError(f"block step: tokens must be [{n}, {blk}] and t0 [{n}], got {tuple(tokens.shape)} and "
                              f"{tuple(t0.shape)}")
-        rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col, self._logits_ptr)
+        rp = None
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
+            if rows.dim() != 1 or (n and (int(rows.min()) < 0 or int(rows.max()) >= b)) or rows.unique().numel() != n:
+                raise ValueError(f"block step: rows must be distinct indices in [0, {b}), got {rows.tolist()}")
+            rp = _i64(rows)
+        rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col, self._logits_ptr, rp, n)
         if rc == 2:
             raise ValueError(f"block step: a token id is outside the vocabulary [0, {self._model.vocab})")
         if rc != 0:
             raise ValueError(f"block step at cache column {col}, rope entries {t0.tolist()} + {blk} lies outside the "
                              f"plan ({self._model.n_new} entries, {self._model.max_len} columns)")
-        return self.logits.view(b, blk, -1)
+        return self.logits[: n * blk].view(n, blk, -1)
 
     def generate(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
                  stop_token_ids: tuple[int, ...], first_col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,7 +365,7 @@ class DecodePlan:
         stop = torch.tensor(list(stop_token_ids) or [0], dtype=torch.int64)
         tokens, logprobs = torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, n)
         counts, live, step_tok = torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.uint8), torch.zeros(
-            b, dtype=torch.int64)
+            2 * b, dtype=torch.int64)
         i64 = ctypes.POINTER(ctypes.c_int64)
         rc = self._lib.mf_generate(
             ctypes.byref(self._model), self._logits_ptr, up, temperature, ctypes.cast(stop.data_ptr(), i64),

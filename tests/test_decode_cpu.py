@@ -56,6 +56,25 @@ def test_kernel_logprobs_match_a_float64_forward(hf_models, arch, tie):
 
 
 @needs_kernel
+def test_rows_that_stopped_leave_the_batch_and_the_rest_still_match_a_float64_forward(hf_models):
+    """With a stop token the kernel's loop computes only the rows still decoding: each row's cache, mask and
+    rope entries must follow it as the batch shrinks, so every row's log-probs stay the float64 ones."""
+    _, path = hf_models[("llama", True)]
+    cfg, params = hf.load_hf(path)
+    free = generate(params, cfg, PROMPTS, prng.key(4), SamplingConfig(temperature=0.8, max_new_tokens=13),
+                    ops_cfg=KERNEL)
+    stop = free.tokens[0][2]  # row 0 stops at its 3rd token at the latest
+    s = SamplingConfig(temperature=0.8, max_new_tokens=13, stop_token_ids=(stop,))
+    gen = generate(params, cfg, PROMPTS, prng.key(4), s, ops_cfg=KERNEL)
+    lengths = [len(t) for t in gen.tokens]
+    assert min(lengths) <= 3 and max(lengths) > min(lengths), lengths  # the batch shrank, and went on
+    for prompt, tokens, lps in zip(PROMPTS, gen.tokens, gen.logprobs):
+        assert stop not in tokens[:-1]
+        _, ref = _float64_logprobs(params, cfg, prompt, tokens, 0.8)
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-5), (prompt, tokens)
+
+
+@needs_kernel
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(12, 4, 1), (64, 2, 2), (40, 6, 3)])
 def test_kernel_greedy_picks_the_float64_argmax_for_any_head_layout(head_dim, heads, kv_heads):
     """head_dim 12 and 40 take the scalar attention loops, 64 the 32-float chunks twice; MHA and GQA."""
@@ -214,6 +233,30 @@ def test_block_steps_match_a_float64_forward_past_rejected_columns(hf_models, ar
         with torch.no_grad():
             ref = model.forward(p64, cfg, seq, torch.arange(n)[None], model.causal_segment_mask(torch.ones(1, n)))
         assert torch.allclose(out[r], torch.log_softmax(ref[0, -t:], -1), atol=2e-5), r
+    # A third block over rows 2 and 0 only (row 1 has finished): computed in that order, row 1 untouched.
+    third = torch.tensor([[29, 30, 31, 32], [33, 34, 35, 36]])
+    before = [k[1].clone() for k, _ in cache]
+    sub = torch.tensor([2, 0])
+    cos3, sin3 = ops.rope_tables(lens[:, None] + torch.arange(3 * t)[None], cfg.dim_head, cfg.rope_theta)
+    width3 = width + t
+    valid3 = torch.zeros(b, width3, dtype=torch.bool)
+    valid3[:, :width] = valid
+    cache3 = [(torch.cat([k, k.new_zeros(*k.shape[:2], t, k.shape[-1])], 2),
+               torch.cat([v, v.new_zeros(*v.shape[:2], t, v.shape[-1])], 2)) for k, v in cache]
+    plan3 = decode_cpu.DecodePlan(params, cfg, cache3, valid3.view(torch.uint8), cos3[:, 0], sin3[:, 0], block=t)
+    valid3[:, width:] = True
+    out3 = torch.log_softmax(plan3.block_step(third, torch.tensor(keep)[sub] + t, width, sub).double(), -1)
+    assert out3.shape == (2, t, cfg.vocab_size)
+    for i, r in enumerate(sub.tolist()):
+        seq = torch.tensor([prompts[r] + first[r, : keep[r]].tolist() + second[r].tolist() + third[i].tolist()])
+        n = seq.shape[1]
+        with torch.no_grad():
+            ref = model.forward(p64, cfg, seq, torch.arange(n)[None], model.causal_segment_mask(torch.ones(1, n)))
+        assert torch.allclose(out3[i], torch.log_softmax(ref[0, -t:], -1), atol=2e-5), r
+    assert all(torch.equal(k3[1, :, :width], k0) and not k3[1, :, width:].any()
+               for (k3, _), k0 in zip(cache3, before, strict=True))  # row 1: not computed, cache untouched
+    with pytest.raises(ValueError, match="distinct indices"):
+        plan3.block_step(third, torch.tensor([0, 0]), width, torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="outside the plan"):
         plan.block_step(second, torch.tensor([5, 0, 0]), lp + t)  # rope entries 5..8 of 8
     with pytest.raises(ValueError, match="tokens must be"):

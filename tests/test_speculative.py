@@ -72,12 +72,13 @@ def test_reference_ops_same_tokens_logprobs_to_rounding(models, k):
 def test_on_the_c_kernel_the_same_tokens_as_plain_decoding_on_it(models, monkeypatch, k):
     """decode_backend='auto': plain generate decodes with the C kernel, speculation drafts and verifies with
     its block steps (k+1 tokens a row in one call). Same tokens, log-probs to float32 rounding."""
-    blocks = []
+    blocks, computed = [], []
     real = decode_cpu.DecodePlan.block_step
 
-    def counted(self, tokens, t0, col):
+    def counted(self, tokens, t0, col, rows=None):
         blocks.append((self._model.hidden, tokens.shape[1]))
-        return real(self, tokens, t0, col)
+        computed.append(tokens.shape[0])
+        return real(self, tokens, t0, col, rows)
 
     monkeypatch.setattr(decode_cpu.DecodePlan, "block_step", counted)
     target, drafts = models
@@ -91,6 +92,7 @@ def test_on_the_c_kernel_the_same_tokens_as_plain_decoding_on_it(models, monkeyp
                 assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
     # the verify and the (hidden-32) draft's first forward ran in the kernel
     assert (CFG.hidden_size, k + 1) in blocks and (DRAFT_CFG.hidden_size, 2) in blocks
+    assert min(computed) < len(PROMPTS)  # rows that had stopped left the kernel's forwards
     blocks.clear()
     _both(target, drafts[0][0], DRAFT_CFG, SAMPLINGS[0], k, ops.INVARIANT)
     assert blocks and all(h == DRAFT_CFG.hidden_size for h, _ in blocks)  # the target never under invariant ops

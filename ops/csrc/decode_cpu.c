@@ -266,19 +266,22 @@ static void attend_group(const float *q, const float *kc, const float *vc, const
     }
 }
 
-/* Each row's T queries (token j at cache column col + j) over the columns 0..col + j that key_valid
- * allows: causal within the block when the caller has marked the block's columns valid. */
-static void attend(const Model *m, int64_t layer, int64_t col) {
+/* Each computed row's T queries (token j at cache column col + j) over the columns 0..col + j that key_valid
+ * allows: causal within the block when the caller has marked the block's columns valid. Computed row i is
+ * the plan's row rows[i] (rows NULL: row i), whose cache and mask it reads. */
+static void attend(const Model *m, int64_t layer, int64_t col, const int64_t *rows, int64_t n_rows) {
     const int64_t d = m->head_dim, hkv = m->kv_heads, groups = m->heads / hkv, s_len = m->max_len, T = m->block;
     const int64_t ld = (m->heads + 2 * hkv) * d;
-    for (int64_t r = 0; r < m->rows; r++)
+    for (int64_t ri = 0; ri < n_rows; ri++) {
+        const int64_t r = rows ? rows[ri] : ri;
         for (int64_t j = 0; j < T; j++) {
-            const int64_t i = r * T + j;
+            const int64_t i = ri * T + j;
             for (int64_t kh = 0; kh < hkv; kh++)
                 attend_group(m->qkv + i * ld + kh * groups * d, m->k_cache[layer] + (r * hkv + kh) * s_len * d,
                              m->v_cache[layer] + (r * hkv + kh) * s_len * d, m->key_valid + r * s_len,
                              col + j + 1, groups, d, m->scores, m->att + (i * m->heads + kh * groups) * d);
         }
+    }
 }
 
 /* gate <- silu(gate) * up, in place over each row's [gate | up] halves. */
@@ -296,26 +299,31 @@ static void swiglu(float *gu, int64_t rows, int64_t inter) {
 
 int64_t mf_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-/* One forward of T = m->block tokens per row, tokens [B, T]: row r's token j sits at cache column col + j
- * and takes rope table entry t0[r] + j (t0 NULL: t for every row). Writes the tokens' keys/values into the
- * caches and their logits [B*T, V]. Returns 0; 1 when a column or table entry lies outside the plan; 2 for a
- * token outside the vocabulary. */
-static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t t, int64_t col, float *logits) {
-    const int64_t B = m->rows, T = m->block, M = B * T, H = m->hidden, D = m->head_dim, nq = m->heads * D;
+/* One forward of T = m->block tokens for each of n_rows rows, tokens [n_rows, T]: computed row i is the
+ * plan's row p = rows[i] (rows NULL: i), so rows that have finished cost nothing. Its token j sits at cache
+ * column col + j of row p and takes rope table entry t0[i] + j of row p (t0 NULL: t for every row). Writes
+ * the tokens' keys/values into the caches and their logits [n_rows*T, V]. The weights packed for B*T rows
+ * serve only a product of B*T rows; fewer rows take the few-row GEMM or the plain BLAS call. Returns 0; 1
+ * when a column, table entry or row lies outside the plan; 2 for a token outside the vocabulary. */
+static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t t, int64_t col, float *logits,
+                   const int64_t *rows, int64_t n_rows) {
+    const int64_t T = m->block, M = n_rows * T, H = m->hidden, D = m->head_dim, nq = m->heads * D;
     const int64_t nkv = m->kv_heads * D, I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
-    if (D > MAX_HEAD_DIM || col < 0 || col + T > S) return 1;
-    for (int64_t r = 0; r < B; r++) {
-        const int64_t tr = t0 ? t0[r] : t;
-        if (tr < 0 || tr + T > m->n_new) return 1;
+    const int full = n_rows == m->rows;  /* the packed copies' row count */
+    if (D > MAX_HEAD_DIM || col < 0 || col + T > S || n_rows < 0 || n_rows > m->rows) return 1;
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t tr = t0 ? t0[i] : t;
+        if (tr < 0 || tr + T > m->n_new || (rows && (rows[i] < 0 || rows[i] >= m->rows))) return 1;
     }
     for (int64_t i = 0; i < M; i++)
         if (tokens[i] < 0 || tokens[i] >= m->vocab) return 2;
     for (int64_t i = 0; i < M; i++) memcpy(m->x + i * H, m->embed + tokens[i] * H, (size_t)H * sizeof(float));
     for (int64_t l = 0; l < m->layers; l++) {
         rms_norm(m->x, m->attn_norm[l], m->h, M, H, m->eps);
-        linear(m->h, H, m->wqkv[l], m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, M, ld, H, ld, 0, m->small_rows);
+        linear(m->h, H, m->wqkv[l], full && m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, M, ld, H, ld, 0, m->small_rows);
         for (int64_t i = 0; i < M; i++) {
-            const int64_t r = i / T, j = i % T, e = r * m->n_new + (t0 ? t0[r] : t) + j;
+            const int64_t ri = i / T, j = i % T, r = rows ? rows[ri] : ri;
+            const int64_t e = r * m->n_new + (t0 ? t0[ri] : t) + j;
             float *row = m->qkv + i * ld;
             if (m->bqkv[l])
                 for (int64_t c = 0; c < ld; c++) row[c] += m->bqkv[l][c];
@@ -326,30 +334,33 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
                 memcpy(m->v_cache[l] + off, row + nq + nkv + kh * D, (size_t)D * sizeof(float));
             }
         }
-        attend(m, l, col);
+        attend(m, l, col, rows, n_rows);
         /* x += attention output */
-        linear(m->att, nq, m->wo[l], m->wo_p ? m->wo_p[l] : NULL, m->x, M, H, nq, H, 1, m->small_rows);
+        linear(m->att, nq, m->wo[l], full && m->wo_p ? m->wo_p[l] : NULL, m->x, M, H, nq, H, 1, m->small_rows);
         rms_norm(m->x, m->mlp_norm[l], m->h, M, H, m->eps);
-        linear(m->h, H, m->wgu[l], m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0, m->small_rows);
+        linear(m->h, H, m->wgu[l], full && m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0,
+               m->small_rows);
         swiglu(m->gu, M, I);
         /* x += MLP output: the gate halves of gu are the [M, I] input at row stride 2I */
-        linear(m->gu, 2 * I, m->w_down[l], m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
+        linear(m->gu, 2 * I, m->w_down[l], full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
                m->small_rows);
     }
     rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
-    linear(m->h, H, m->lm_head, m->lm_head_p, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
+    linear(m->h, H, m->lm_head, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
     return 0;
 }
 
 /* Decode step t (cache column col) for tokens [B] of a one-token plan (block 1). */
 int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
     if (m->block != 1) return 1;
-    return forward(m, tokens, NULL, t, col, logits);
+    return forward(m, tokens, NULL, t, col, logits, NULL, m->rows);
 }
 
-/* A block step (tokens [B, block], row r's first at rope entry t0[r]), e.g. a speculative verify forward. */
-int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits) {
-    return forward(m, tokens, t0, 0, col, logits);
+/* A block step (tokens [n_rows, block] of the plan's rows `rows`, NULL: all B; computed row i's first token at
+ * rope entry t0[i]), e.g. a speculative verify forward over the rows still decoding. Logits [n_rows*block, V]. */
+int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits,
+                  const int64_t *rows, int64_t n_rows) {
+    return forward(m, tokens, t0, 0, col, logits, rows, rows ? n_rows : m->rows);
 }
 
 /* One token per row of logits [B, V] at temperature T, as miles_fn.sampling.sample_with_uniform without
@@ -399,28 +410,32 @@ void mf_sample_rows(int64_t rows, int64_t V, const float *logits, const double *
 /* generate's decode loop for plain temperature (or greedy, u == NULL) sampling: step t samples column t
  * of tok/lp [B, n_new] from logits (the prefill's on entry; the plan's buffer after), then, unless it is
  * the last, runs the decode step of those tokens at cache column first_col + t. With stop tokens a row
- * that has sampled one emits 0 (log-prob 0) from then on, and the loop ends when every row has; n_out
- * counts each row's tokens, its stop token included. `work` holds 2V floats, `live` B bytes, `step_tok`
- * B int64. Returns 0, or mf_decode_step's error code. */
+ * that has sampled one emits 0 (log-prob 0) from then on and leaves the batch: the steps after compute
+ * only the rows still decoding (the tail of a batch costs what its live rows cost), and the loop ends
+ * when none is left; n_out counts each row's tokens, its stop token included. `work` holds 2V floats,
+ * `live` B bytes, `step_tok` 2B int64 (the step's tokens, then the live rows). Returns 0, or forward's
+ * error code. */
 int mf_generate(const Model *m, float *logits, const double *u, float temperature, const int64_t *stop,
                 int64_t n_stop, int64_t first_col, int64_t *tok, float *lp, int64_t *n_out, float *work,
                 uint8_t *live, int64_t *step_tok) {
-    const int64_t B = m->rows, n = m->n_new;
-    for (int64_t r = 0; r < B; r++) { live[r] = 1; n_out[r] = 0; }
+    const int64_t B = m->rows, n = m->n_new, V = m->vocab;
+    int64_t *act = step_tok + B, n_act = B;  /* logits row i belongs to plan row act[i] */
+    for (int64_t r = 0; r < B; r++) { live[r] = 1; n_out[r] = 0; act[r] = r; }
     for (int64_t t = 0; t < n; t++) {
-        sample(B, m->vocab, logits, u ? u + t * B : NULL, temperature, tok + t, lp + t, n, work);
-        int64_t n_live = 0;
-        for (int64_t r = 0; r < B; r++) {
-            int64_t *tr = tok + r * n + t;
-            if (!live[r]) { *tr = 0; lp[r * n + t] = 0.0f; continue; }
+        for (int64_t r = 0; r < B; r++) { tok[r * n + t] = 0; lp[r * n + t] = 0.0f; }
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n_act; i++) {
+            const int64_t r = act[i];
+            sample(1, V, logits + i * V, u ? u + t * B + r : NULL, temperature, tok + r * n + t, lp + r * n + t, 1,
+                   work);
             n_out[r]++;
             for (int64_t j = 0; j < n_stop; j++)
-                if (*tr == stop[j]) live[r] = 0;
-            n_live += live[r];
+                if (tok[r * n + t] == stop[j]) live[r] = 0;
+            if (live[r]) { act[kept] = r; step_tok[kept] = tok[r * n + t]; kept++; }
         }
-        for (int64_t r = 0; r < B; r++) step_tok[r] = tok[r * n + t];
-        if (t == n - 1 || (n_stop && n_live == 0)) break;
-        const int rc = mf_decode_step(m, step_tok, t, first_col + t, logits);
+        n_act = kept;
+        if (t == n - 1 || n_act == 0) break;
+        const int rc = forward(m, step_tok, NULL, t, first_col + t, logits, n_act == B ? NULL : act, n_act);
         if (rc) return rc;
     }
     return 0;
