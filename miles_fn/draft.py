@@ -67,34 +67,45 @@ def random_draft_config(cfg: SpeculativeConfig, target: ModelConfig) -> ModelCon
                                recompute=False)
 
 
+def _columns(buf: RolloutBuffer) -> torch.Tensor:
+    """The columns the draft learns: response tokens' predictions (loss_mask > 0), [N, T-1] bool."""
+    return buf.loss_mask > 0
+
+
+def _column_logits(params: model.Params, cfg: ModelConfig, buf: RolloutBuffer, ops_cfg: ops.OpsConfig
+                   ) -> torch.Tensor:
+    """Logits [C, V] at the buffer's C response columns, in row-major order: the output layer runs there only
+    (on SmolLM2's 49k vocabulary a rollout's prompt is most of its columns, and the head most of a draft)."""
+    h = model.hidden_states(params, cfg, buf.tokens[:, :-1], buf.positions[:, :-1],
+                            model.causal_segment_mask(buf.segment_ids[:, :-1]), ops_cfg=ops_cfg)
+    return model.output_layer(params, h[_columns(buf)], ops_cfg)
+
+
 def teacher_logprobs(params: model.Params, cfg: ModelConfig, buf: RolloutBuffer, temperature: float,
                      ops_cfg: ops.OpsConfig = ops.REFERENCE) -> torch.Tensor:
-    """The target's next-token log-distribution [N, T-1, V] at every column, detached (no grad)."""
+    """The target's next-token log-distribution [C, V] at the C response columns (loss_mask > 0, row-major),
+    detached (no grad)."""
     with torch.no_grad():
-        logits = model.forward(params, cfg, buf.tokens[:, :-1], buf.positions[:, :-1],
-                               model.causal_segment_mask(buf.segment_ids[:, :-1]), ops_cfg=ops_cfg)
-        return torch.log_softmax(logits.to(torch.float32) / temperature, -1)
+        return torch.log_softmax(_column_logits(params, cfg, buf, ops_cfg).to(torch.float32) / temperature, -1)
 
 
 def make_draft_loss(draft_cfg: ModelConfig, temperature: float = 1.0) -> train.LossFn:
-    """Soft CE of the draft to `batch.teacher` ([N, T-1, V] log-probs) on batch.loss_mask's columns.
-
-    `batch` is a DraftBatch; the draft is trained at the sampling temperature the engine uses.
+    """Soft CE of the draft to `batch.teacher` ([C, V] log-probs at the response columns), weighted by
+    loss_mask. `batch` is a DraftBatch; the draft is trained at the sampling temperature the engine uses.
     """
 
     def loss_fn(params: Any, batch: DraftBatch, key: prng.Key) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del key
         buf = batch.buf
-        logits = model.forward(params, draft_cfg, buf.tokens[:, :-1], buf.positions[:, :-1],
-                               model.causal_segment_mask(buf.segment_ids[:, :-1]))
-        logq = torch.log_softmax(logits.to(torch.float32) / temperature, -1)
-        ce = -(batch.teacher.exp() * logq).sum(-1)  # [N, T-1]
-        mask = buf.loss_mask
-        n = mask.sum().clamp(min=1.0)
-        loss = (ce * mask).sum() / n
+        logq = torch.log_softmax(_column_logits(params, draft_cfg, buf, ops.REFERENCE).to(torch.float32)
+                                 / temperature, -1)
+        ce = -(batch.teacher.exp() * logq).sum(-1)  # [C]
+        w = buf.loss_mask[_columns(buf)]
+        n = w.sum().clamp(min=1.0)
+        loss = (ce * w).sum() / n
         with torch.no_grad():  # greedy-draft acceptance: the target's mass on the draft's argmax
             agree = batch.teacher.gather(-1, logq.argmax(-1, keepdim=True)).squeeze(-1).exp()
-            accept = (agree * mask).sum() / n
+            accept = (agree * w).sum() / n
         return loss, {"draft_expected_accept": accept}
 
     return loss_fn

@@ -193,7 +193,7 @@ def forward_with_activations(
     return _forward(params, cfg, tokens, positions, mask, None, 0, True, ops.REFERENCE)
 
 
-def _forward(
+def _trunk(
     params: Params,
     cfg: ModelConfig,
     tokens: torch.Tensor,
@@ -226,7 +226,37 @@ def _forward(
     x = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, oc)
     if keep:
         acts["final_norm"] = x
-    return ops.linear(x, params.get("lm_head", params["embed"]), None, oc), acts
+    return x, acts
+
+
+def _forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: KVCache | None,
+    cache_start: int,
+    keep: bool,
+    oc: ops.OpsConfig,
+    replay: torch.Tensor | None = None,
+    routes_out: list | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x, acts = _trunk(params, cfg, tokens, positions, mask, cache, cache_start, keep, oc, replay, routes_out)
+    return output_layer(params, x, oc), acts
+
+
+def hidden_states(params: Params, cfg: ModelConfig, tokens: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor, *, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> torch.Tensor:
+    """`forward` without its output layer: the final norm's output [B, T, H]. `output_layer` of some of its
+    rows gives forward's logits there, for a loss that needs the vocabulary-wide head at a few columns only
+    (the draft's, at response tokens: on a 49k vocabulary the head and its softmax dominate a small LM)."""
+    return _trunk(params, cfg, tokens, positions, mask, None, 0, False, ops_cfg)[0]
+
+
+def output_layer(params: Params, x: torch.Tensor, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> torch.Tensor:
+    """Logits [..., V] of final-norm outputs x [..., H]: the tied embedding or lm_head."""
+    return ops.linear(x, params.get("lm_head", params["embed"]), None, ops_cfg)
 
 
 @functools.cache
