@@ -169,6 +169,11 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x[rows]
 
 
+def _put(x: torch.Tensor, rows: torch.Tensor, b: int) -> torch.Tensor:
+    """_take's inverse: a [b, ...] tensor of zeros with x's rows at `rows` (the live rows' results back to [B])."""
+    return x.new_zeros(b, *x.shape[1:]).index_copy_(0, rows, x)
+
+
 def _greedy(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """The draft's proposal: its argmax over the ids the target may sample (vocab_limit)."""
     if sampling.limits(logits.shape[-1]):
@@ -301,7 +306,7 @@ def generate_speculative_rows(
                 drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], _take(n + j, li), col + j + 1, li)[:, -1],
                                       sampling))
             if li is not None:  # back to [B]: a finished row's drafts are never read
-                drafts = [torch.zeros(b, dtype=torch.int64).index_copy_(0, li, x) for x in drafts]
+                drafts = [_put(x, li, b) for x in drafts]
         else:
             m2 = valid_d[:, None, : col + 2].repeat(1, 2, 1)
             m2[:, 0, col], m2[:, 0, col + 1] = True, False
@@ -328,10 +333,8 @@ def generate_speculative_rows(
         if li is None or kt is None:
             s, slp, a = verify(z, d, uv, sampling, ops_cfg, kernel_sampler)
         else:  # the live rows' verify, scattered back to [B] (finished rows: zeros, never emitted)
-            s_l, lp_l, a_l = verify(z, d[li], None if uv is None else uv[li], sampling, ops_cfg, kernel_sampler)
-            s = torch.zeros(b, k + 1, dtype=torch.int64).index_copy_(0, li, s_l)
-            slp = torch.zeros(b, k + 1).index_copy_(0, li, lp_l)
-            a = torch.zeros(b, dtype=torch.int64).index_copy_(0, li, a_l)
+            live_out = verify(z, d[li], None if uv is None else uv[li], sampling, ops_cfg, kernel_sampler)
+            s, slp, a = (_put(x, li, b) for x in live_out)
         m = torch.minimum(a + 1, n_new - n)  # tokens this round emits: s_0 .. s_a, capped
         hit = torch.isin(s, stop) & (span[None] < m[:, None])
         if sampling.stop_token_ids:
