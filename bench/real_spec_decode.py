@@ -114,7 +114,7 @@ def job_metrics(out_dir: str) -> list[dict[str, Any]]:
                     rows[i].update(r)
                 else:
                     rows.append(r)
-    keep = ("step", "spec_accept_length", "draft_expected_accept", "reward_mean", "response_len_mean",
+    keep = ("step", "spec_accept_length", "draft_expected_accept", "reward_mean", "response_len",
             "time_rollout_tokens_per_s")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
@@ -147,9 +147,8 @@ def time_cell(contenders: dict[str, Any], repeats: int) -> dict[str, Any]:
     per_verify: dict[str, float] = {}
     for _ in range(repeats):
         for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            toks[name], tpv = fn()
-            secs[name].append(time.perf_counter() - t0)
+            sec, (toks[name], tpv) = common.timed(fn)
+            secs[name].append(sec)
             if tpv is not None:
                 per_verify[name] = tpv
     ref = toks["no draft"]
