@@ -83,24 +83,8 @@ def generate_rows(
     key_valid = torch.arange(total)[None] >= (lp - lens)[:, None]
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
 
-    # Prefill each distinct prompt once and copy its cache rows and last logits to the requests that share it.
-    row_of, src = distinct_prompts(prompts)
-    mask = prefill_mask(key_valid, lp)
-    cache = model.new_kv_cache(cfg, b, total, params["embed"].dtype)
     routes: list | None = [] if cfg.num_experts else None  # prefill's MoE routes, then each step's
-    if len(src) == b:
-        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg,
-                               routes_out=routes)[:, -1]
-    else:
-        rows = torch.tensor(row_of, dtype=torch.int64)
-        s_idx = torch.tensor(src, dtype=torch.int64)
-        pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
-        logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
-                               ops_cfg=ops_cfg, routes_out=routes)[:, -1][rows]
-        routes = None if routes is None else [r._replace(used=r.used.view(len(src), lp, -1)[rows]) for r in routes]
-        for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
-            ck[:, :, :lp] = pk[rows]
-            cv[:, :, :lp] = pv[rows]
+    logits, cache = prefill(params, cfg, prompts, prompt_tok, positions, key_valid, total, ops_cfg, routes)
 
     # Every step's key and its uniform in two vectorised calls instead of two Threefry
     # evaluations (~300 small ops) a step: the same values, as a draw is a function of
@@ -161,6 +145,36 @@ def generate_rows(
     per_row = [torch.cat([prompt_routes[i, lp - int(lens[i]):], steps[i, : max(len(t) - 1, 0)]]).to(torch.int32)
                for i, t in enumerate(gen.tokens)]
     return gen._replace(routed_experts=per_row)
+
+
+def prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], prompt_tok: torch.Tensor,
+            positions: torch.Tensor, key_valid: torch.Tensor, width: int, ops_cfg: ops.OpsConfig,
+            routes: list | None = None, head: bool = True) -> tuple[torch.Tensor | None, model.KVCache]:
+    """The left-padded prompts [B, lp] into a new cache of `width` columns, and their last column's logits
+    [B, V] (None with head=False).
+
+    Each distinct prompt runs once and its cache rows and logits are copied to the requests that share it
+    (a GRPO batch repeats each prompt group-size times). `routes` (MoE), when given, is filled with the
+    prefill's moe.Route per layer, per request row.
+    """
+    b, lp = prompt_tok.shape
+    row_of, src = distinct_prompts(prompts)
+    mask = prefill_mask(key_valid, lp)
+    cache = model.new_kv_cache(cfg, b, width, params["embed"].dtype)
+    if len(src) == b:
+        return model.last_logits(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg,
+                                 routes_out=routes, head=head), cache
+    rows, s_idx = torch.tensor(row_of, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
+    pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
+    got: list | None = None if routes is None else []
+    logits = model.last_logits(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
+                               ops_cfg=ops_cfg, routes_out=got, head=head)
+    if routes is not None:
+        routes.extend(r._replace(used=r.used.view(len(src), lp, -1)[rows]) for r in got)
+    for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
+        ck[:, :, :lp] = pk[rows]
+        cv[:, :, :lp] = pv[rows]
+    return None if logits is None else logits[rows], cache
 
 
 def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

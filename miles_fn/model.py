@@ -254,6 +254,27 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: torch.Tensor, positi
     return _trunk(params, cfg, tokens, positions, mask, None, 0, False, ops_cfg)[0]
 
 
+def last_logits(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: KVCache | None = None,
+    cache_start: int = 0,
+    *,
+    ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    routes_out: list | None = None,
+    head: bool = True,
+) -> torch.Tensor | None:
+    """`forward(...)[:, -1]` with the output layer at the last column only ([B, V]): a prefill samples from
+    that column alone, and on SmolLM2's 49k vocabulary the head is a fifth of a 45-token prompt's FLOPs.
+    head=False fills the cache and returns None (a draft's prefill). The eager trunk even under
+    ops_cfg.compile: a prefill runs once a call."""
+    x = _trunk(params, cfg, tokens, positions, mask, cache, cache_start, False, ops_cfg, None, routes_out)[0]
+    return output_layer(params, x[:, -1], ops_cfg) if head else None
+
+
 def output_layer(params: Params, x: torch.Tensor, ops_cfg: ops.OpsConfig = ops.REFERENCE) -> torch.Tensor:
     """Logits [..., V] of final-norm outputs x [..., H]: the tied embedding or lm_head."""
     return ops.linear(x, params.get("lm_head", params["embed"]), None, ops_cfg)

@@ -37,7 +37,7 @@ import ops
 from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
-from miles_fn.generate import Generation, distinct_prompts, prefill_mask
+from miles_fn.generate import Generation, prefill
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
 from ops import decode_cpu
 
@@ -127,29 +127,6 @@ def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, num_steps: int) -> Non
         raise ValueError(f"speculative decoding: the draft's vocab_size {draft_cfg.vocab_size} differs from the "
                          f"target's {cfg.vocab_size}; the draft must share the target's tokenizer and vocabulary "
                          "(--draft_checkpoint of the same model family, or a random draft from --draft_hidden_size)")
-
-
-def _prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], prompt_tok: torch.Tensor,
-             positions: torch.Tensor, key_valid: torch.Tensor, width: int, oc: ops.OpsConfig
-             ) -> tuple[torch.Tensor, model.KVCache]:
-    """Last-column logits [B, V] and a cache of `width` columns holding the left-padded prompts.
-
-    Each distinct prompt runs once (a GRPO batch repeats each prompt group-size times), as in generate.
-    """
-    b, lp = prompt_tok.shape
-    row_of, src = distinct_prompts(prompts)
-    mask = prefill_mask(key_valid, lp)
-    cache = model.new_kv_cache(cfg, b, width, params["embed"].dtype)
-    if len(src) == b:
-        logits = model.forward(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=oc)[:, -1]
-        return logits, cache
-    rows, s_idx = torch.tensor(row_of, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
-    pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
-    logits = model.forward(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0, ops_cfg=oc)
-    for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
-        ck[:, :, :lp] = pk[rows]
-        cv[:, :, :lp] = pv[rows]
-    return logits[:, -1][rows], cache
 
 
 def _sample(logits: torch.Tensor, u: torch.Tensor | None, sampling: SamplingConfig, oc: ops.OpsConfig,
@@ -258,8 +235,9 @@ def generate_speculative_rows(
     valid_t[:, :lp] = torch.arange(lp)[None] >= (lp - lens)[:, None]
     valid_d = valid_t.clone()
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
-    logits, cache_t = _prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg)
-    _, cache_d = _prefill(draft_params, draft_cfg, prompts, prompt_tok, positions, valid_d, width, draft_ops_cfg)
+    logits, cache_t = prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg)
+    _, cache_d = prefill(draft_params, draft_cfg, prompts, prompt_tok, positions, valid_d, width, draft_ops_cfg,
+                         head=False)  # the draft's first proposal comes from its round's [prev, pending] block
     # The kernel's rope entries: the target's t is position lens + t (pending's is n - 1), the draft's
     # position lens - 1 + t (its round starts one token earlier, at prev).
     kt = kd = None

@@ -28,6 +28,7 @@ import tempfile
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
@@ -179,14 +180,51 @@ def chosen(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, tor
 def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """A layer's weights as the kernel takes them: q/k/v stacked into one GEMM, gate/up into another.
 
-    The copy (the layer's attention and MLP input weights, once per generate call) buys one GEMM
-    where there were three and two: a GEMM of 32 rows costs ~10 us of call overhead on top of its FLOPs.
+    The copy buys one GEMM where there were three and two: a GEMM of 32 rows costs ~10 us of call overhead
+    on top of its FLOPs. It is made once per weights (_derived), not per generate call.
     """
     bias = None if layer.get("bq") is None else torch.cat([layer["bq"], layer["bk"], layer["bv"]]).contiguous()
     return {"attn_norm": layer["attn_norm"].contiguous(),
             "wqkv": torch.cat([layer["wq"], layer["wk"], layer["wv"]]).contiguous(), "bqkv": bias,
             "wo": layer["wo"].contiguous(), "mlp_norm": layer["mlp_norm"].contiguous(),
             "wgu": torch.cat([layer["w_gate"], layer["w_up"]]).contiguous(), "w_down": layer["w_down"].contiguous()}
+
+
+# What the kernel derives from a weight tensor (the stacked layer, packed panels), kept while that tensor
+# lives: an engine's calls between two weight syncs share one copy (on SmolLM2-135M the stacking alone
+# was ~30 ms a call, more than a decode step). Keyed weakly by the tensor the entry derives from, and
+# checked against every source's (data_ptr, _version): an in-place weight update (copy_, load) bumps
+# _version, so a stale entry is never used. A memo of a pure function of the weights, not state.
+_DERIVED = WeakTensorKeyDictionary()  # owner tensor -> (its sources' signature, {what: derived})
+_PACKED_ROW_COUNTS = 2  # packed panels kept per weight: one per GEMM row count, the most recent ones
+
+
+def _derived(owner: torch.Tensor, sources: list[torch.Tensor | None], what: Any, make: Any) -> Any:
+    """make(), memoised under `owner` for `what` ("stacked", or an int: panels packed for that many GEMM
+    rows, the last _PACKED_ROW_COUNTS of them kept) while every tensor of `sources` is unchanged."""
+    sig = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources if t is not None)
+    entry = _DERIVED.get(owner)
+    if entry is None or entry[0] != sig:
+        entry = (sig, {})
+        _DERIVED[owner] = entry
+    memo = entry[1]
+    if what not in memo:
+        if isinstance(what, int):  # packed panels (keyed by their row count): each set is the weights' size
+            counts = [w for w in memo if isinstance(w, int)]  # insertion order: the oldest first
+            for w in counts[: max(0, len(counts) + 1 - _PACKED_ROW_COUNTS)]:
+                del memo[w]
+        memo[what] = make()
+    return memo[what]
+
+
+def _layer_sources(layer: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    return [layer.get(n) for n in ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate",
+                                   "w_up", "w_down")]
+
+
+def stacked_layer(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """_stacked(layer), made once while the layer's weights are unchanged."""
+    return _derived(layer["wq"], _layer_sources(layer), "stacked", lambda: _stacked(layer))
 
 
 def _pack(lib: ctypes.CDLL, w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -255,7 +293,7 @@ class DecodePlan:
         b, s = key_valid.shape
         m = b * block  # rows of every GEMM
         d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head
-        layers = [_stacked(layer) for layer in params["layers"]]
+        layers = [stacked_layer(layer) for layer in params["layers"]]
         head = params.get("lm_head", params["embed"]).contiguous()
         self._keep: list[Any] = [layers, head, params["embed"].contiguous(), params["final_norm"].contiguous()]
         self.key_valid = key_valid.to(torch.uint8).contiguous()
@@ -278,9 +316,13 @@ class DecodePlan:
             key_valid=ctypes.cast(self.key_valid.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
             cos=_ptr(self.cos), sin=_ptr(self.sin), block=block, small_rows=small_rows(lib), **arrays,
             **{n: _ptr(t) for n, t in scratch.items()})
-        if packs(lib, m):  # once per generate call: ~one pass over the weights, then every step skips it
-            packed = {n: [_pack(lib, layer[n], m) for layer in layers] for n in _PACKED}
-            head_p = _pack(lib, head, m)
+        if packs(lib, m):  # once per weights and row count: ~one pass over them, then every step skips it
+            per_layer = [_derived(src["wq"], _layer_sources(src), m,
+                                  lambda layer=layer: {n: _pack(lib, layer[n], m) for n in _PACKED})
+                         for src, layer in zip(params["layers"], layers, strict=True)]
+            packed = {n: [p[n] for p in per_layer] for n in _PACKED}
+            head_src = params.get("lm_head", params["embed"])
+            head_p = _derived(head_src, [head_src], m, functools.partial(_pack, lib, head, m))
             self._keep += [packed, head_p]
             parrays = {f"{n}_p": _ptrs(ts) for n, ts in packed.items()}
             self._keep.append(parrays)

@@ -196,6 +196,35 @@ def test_plans_past_the_few_row_gemm_use_weights_packed_once_with_the_same_logit
 
 
 @needs_kernel
+def test_derived_weights_are_made_once_and_remade_after_an_in_place_update(hf_models):
+    """The stacked (and, past the few-row GEMM, packed) weights are kept while the weights are unchanged: a
+    second plan reuses them. A weight changed in place remakes them: generate on the kernel then matches a
+    float64 forward of the new weights, which stale copies would not."""
+    _, path = hf_models[("llama", True)]
+    cfg, params = hf.load_hf(path)
+    prompts = (PROMPTS * 3)[:12]  # 12 rows: the plan packs where MKL can
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(12, 4), cfg.dim_head, cfg.rope_theta)
+
+    def plan():
+        return decode_cpu.DecodePlan(params, cfg, model.new_kv_cache(cfg, 12, 10), torch.ones(12, 10, dtype=torch.bool),
+                                     cos[:, 0], sin[:, 0])
+
+    first, second = plan(), plan()
+    assert second._keep[0][0]["wqkv"] is first._keep[0][0]["wqkv"]
+    generate(params, cfg, prompts, prng.key(4), SamplingConfig(temperature=0.8, max_new_tokens=6), ops_cfg=KERNEL)
+    with torch.no_grad():  # in place, as a weight sync into the engine's tensors would
+        params["layers"][0]["wk"].mul_(-1.5)
+        params["layers"][1]["w_down"].mul_(2.0)
+        params["embed"].mul_(0.7)  # the tied output layer
+    assert plan()._keep[0][0]["wqkv"] is not first._keep[0][0]["wqkv"]
+    gen = generate(params, cfg, prompts, prng.key(4), SamplingConfig(temperature=0.8, max_new_tokens=6),
+                   ops_cfg=KERNEL)
+    for prompt, tokens, lps in zip(prompts, gen.tokens, gen.logprobs, strict=True):
+        _, ref = _float64_logprobs(params, cfg, prompt, tokens, 0.8)
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-5), (prompt, tokens)
+
+
+@needs_kernel
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
 def test_block_steps_match_a_float64_forward_past_rejected_columns(hf_models, arch, tie):
     """Two speculative-style rounds of T=4 tokens a row: the first round's columns are then kept per row
