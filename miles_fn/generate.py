@@ -147,6 +147,9 @@ def generate_rows(
     return gen._replace(routed_experts=per_row)
 
 
+MIN_SHARED_PREFIX = 8  # tokens: a shorter common prefix is not worth its own forward
+
+
 def prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], prompt_tok: torch.Tensor,
             positions: torch.Tensor, key_valid: torch.Tensor, width: int, ops_cfg: ops.OpsConfig,
             routes: list | None = None, head: bool = True) -> tuple[torch.Tensor | None, model.KVCache]:
@@ -154,27 +157,66 @@ def prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
     [B, V] (None with head=False).
 
     Each distinct prompt runs once and its cache rows and logits are copied to the requests that share it
-    (a GRPO batch repeats each prompt group-size times). `routes` (MoE), when given, is filled with the
-    prefill's moe.Route per layer, per request row.
+    (a GRPO batch repeats each prompt group-size times). The distinct prompts' common prefix (a chat
+    template's system turn: 27 of SmolLM2's 44 chat_arith tokens) runs once too (shared_prefix_len), a
+    function of the call's prompts alone, so a call prefills the same way whatever ran before it. `routes`
+    (MoE), when given, is filled with the prefill's moe.Route per layer, per request row (no prefix sharing).
     """
     b, lp = prompt_tok.shape
     row_of, src = distinct_prompts(prompts)
-    mask = prefill_mask(key_valid, lp)
-    cache = model.new_kv_cache(cfg, b, width, params["embed"].dtype)
+    dtype = params["embed"].dtype
+    distinct = [prompts[i] for i in src]
+    c = 0 if routes is not None else shared_prefix_len(distinct)
     if len(src) == b:
-        return model.last_logits(params, cfg, prompt_tok, positions, mask, cache, 0, ops_cfg=ops_cfg,
-                                 routes_out=routes, head=head), cache
+        cache = model.new_kv_cache(cfg, b, width, dtype)
+        return _prefill_rows(params, cfg, distinct, prompt_tok, positions, key_valid, cache, c, ops_cfg, routes,
+                             head), cache
     rows, s_idx = torch.tensor(row_of, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
-    pre = model.new_kv_cache(cfg, len(src), lp, params["embed"].dtype)
+    pre = model.new_kv_cache(cfg, len(src), lp, dtype)
     got: list | None = None if routes is None else []
-    logits = model.last_logits(params, cfg, prompt_tok[s_idx], positions[s_idx], mask[s_idx], pre, 0,
-                               ops_cfg=ops_cfg, routes_out=got, head=head)
+    logits = _prefill_rows(params, cfg, distinct, prompt_tok[s_idx], positions[s_idx], key_valid[s_idx], pre, c,
+                           ops_cfg, got, head)
     if routes is not None:
         routes.extend(r._replace(used=r.used.view(len(src), lp, -1)[rows]) for r in got)
+    cache = model.new_kv_cache(cfg, b, width, dtype)
     for (ck, cv), (pk, pv) in zip(cache, pre, strict=True):
         ck[:, :, :lp] = pk[rows]
         cv[:, :, :lp] = pv[rows]
     return None if logits is None else logits[rows], cache
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """The prompts' longest common prefix, short of the shortest prompt (each row keeps a column of its own
+    to give its logits); 0 for fewer than two prompts or under MIN_SHARED_PREFIX tokens."""
+    if len(prompts) < 2:
+        return 0
+    first, c = prompts[0], min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        c = next((i for i in range(c) if p[i] != first[i]), c)
+    return c if c >= MIN_SHARED_PREFIX else 0
+
+
+def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], tok: torch.Tensor,
+                  pos: torch.Tensor, valid: torch.Tensor, cache: model.KVCache, c: int, oc: ops.OpsConfig,
+                  routes: list | None, head: bool) -> torch.Tensor | None:
+    """The prefill of left-padded rows whose first c tokens are the same: those c run once ([1, c]) and their
+    keys/values are copied to each row's columns; then the columns from c on run for every row (the longest
+    row's own, the others' tail of the prefix again, and their padding). The keys and masks each query sees
+    are those of the one-piece prefill, so under ops.INVARIANT the logits are its bits."""
+    lp = tok.shape[1]
+    mask = prefill_mask(valid, lp)
+    if c == 0:
+        return model.last_logits(params, cfg, tok, pos, mask, cache, 0, ops_cfg=oc, routes_out=routes, head=head)
+    shared = model.new_kv_cache(cfg, 1, c, params["embed"].dtype)
+    model.last_logits(params, cfg, torch.tensor([list(prompts[0][:c])]), torch.arange(c)[None],
+                      torch.tril(torch.ones(1, c, c, dtype=torch.bool)), shared, 0, ops_cfg=oc, head=False)
+    lens = valid[:, :lp].sum(1)
+    cols = (lp - lens)[:, None] + torch.arange(c)[None]  # [R, c]: each row's prefix columns
+    rows = torch.arange(tok.shape[0])[:, None]
+    for (ck, cv), (sk, sv) in zip(cache, shared, strict=True):  # [R, S, Hkv, D] views, written in place
+        ck.transpose(1, 2)[rows, cols] = sk.transpose(1, 2)
+        cv.transpose(1, 2)[rows, cols] = sv.transpose(1, 2)
+    return model.last_logits(params, cfg, tok[:, c:], pos[:, c:], mask[:, c:], cache, c, ops_cfg=oc, head=head)
 
 
 def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

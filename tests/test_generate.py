@@ -3,7 +3,7 @@
 import torch
 
 from miles_fn import model, prng
-from miles_fn.generate import generate
+from miles_fn.generate import MIN_SHARED_PREFIX, generate, shared_prefix_len
 from miles_fn.sampling import SamplingConfig, filter_logits, sample, sample_with_uniform
 from state import hf
 
@@ -121,3 +121,37 @@ def test_repeated_prompts_are_prefilled_once_and_sample_as_if_alone(hf_models):
         assert alone.tokens[0] == fast.tokens[i]
         torch.testing.assert_close(torch.tensor(fast.logprobs[i]), torch.tensor(alone.logprobs[0]), atol=1e-5,
                                    rtol=0)
+
+
+def test_shared_prefix_len_hand_computed():
+    a = list(range(1, 11))  # 10 tokens
+    assert shared_prefix_len([a + [50], a + [51, 52], a + [53]]) == 10
+    assert shared_prefix_len([a, a + [60]]) == 9  # the shortest keeps a column of its own
+    assert shared_prefix_len([a[:MIN_SHARED_PREFIX] + [70], a[:MIN_SHARED_PREFIX] + [71]]) == MIN_SHARED_PREFIX
+    assert shared_prefix_len([a[: MIN_SHARED_PREFIX - 1] + [70], a[: MIN_SHARED_PREFIX - 1] + [71]]) == 0
+    assert shared_prefix_len([a + [1]]) == 0 and shared_prefix_len([[9] + a, a]) == 0
+
+
+def test_a_common_prefix_is_prefilled_once_and_rows_sample_as_if_alone(hf_models, monkeypatch):
+    """Prompts that open alike (a chat template's system turn): those tokens run once as [1, c] and every
+    row runs from column c on. Under the invariant kernels each request still gets the bits of a batch of
+    its own, where nothing is shared; with the reference kernels the log-probs agree to float rounding."""
+    import ops
+
+    _, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    head = [5, 9, 2, 14, 3, 3, 8, 1, 20, 6]
+    prompts = [head + [4], head + [7, 30, 2], head + [11, 12], head + [4], head + [25, 1, 9, 9, 3]]
+    sc = SamplingConfig(temperature=1.0, max_new_tokens=5)
+    shapes = []
+    run = model.last_logits
+    monkeypatch.setattr(model, "last_logits", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
+    gen = generate(params, cfg, prompts, prng.key(3), sc, ops_cfg=ops.INVARIANT)
+    assert shapes == [(1, 10), (4, 5)]  # the prefix once; the 4 distinct prompts from column 10 of 15
+    fast = generate(params, cfg, prompts, prng.key(3), sc)
+    for i, p in enumerate(prompts):
+        alone = generate(params, cfg, [p], prng.key(3), sc, [i], ops_cfg=ops.INVARIANT)
+        assert alone.tokens[0] == gen.tokens[i] and alone.logprobs[0] == gen.logprobs[i]
+        ref = generate(params, cfg, [p], prng.key(3), sc, [i])
+        assert ref.tokens[0] == fast.tokens[i]
+        torch.testing.assert_close(torch.tensor(fast.logprobs[i]), torch.tensor(ref.logprobs[0]), atol=1e-5, rtol=0)
