@@ -278,6 +278,9 @@ flags.DEFINE_integer("draft_train_steps", 1, "AdamW steps of the draft per RL st
                      "(soft cross-entropy to the updated policy).", lower_bound=0)
 flags.DEFINE_float("draft_lr", 3e-3, "The draft's AdamW learning rate.", lower_bound=0.0)
 flags.DEFINE_boolean("freeze_draft", False, "Keep the start-of-run draft (no online training), for comparison.")
+flags.DEFINE_integer("speculative_disable_by_batch_size", 0, "A decode round with more live rows than this is a "
+                     "plain step (vLLM's name): where a step is compute-bound a verify of k+1 tokens a row costs k+1 "
+                     "steps. The tokens are the same either way. 0 = always speculate.", lower_bound=0)
 flags.register_multi_flags_validator(
     ["speculative_algorithm", "rollout_backend"],
     lambda v: v["speculative_algorithm"] == "none" or v["rollout_backend"] != "sglang",
@@ -635,7 +638,7 @@ def configs_from_flags(vocab_size: int, stop_token_ids: tuple[int, ...], default
         task_ops=f.task_ops,
         speculative=SpeculativeConfig(f.speculative_algorithm, f.speculative_num_steps, f.draft_checkpoint,
                                       f.draft_hidden_size, f.draft_num_layers, f.draft_train_steps, f.draft_lr,
-                                      f.freeze_draft),
+                                      f.freeze_draft, f.speculative_disable_by_batch_size),
     )
 
 
@@ -719,7 +722,8 @@ SHORT_HELP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("True on-policy and kernels", ("true_on_policy",)),
     ("Loop modes", ("debug_rollout_only", "debug_train_only")),
     ("Debugging and replay", ("snapshot_steps", "profile_steps")),
-    ("Speculative decoding", ("speculative_algorithm", "speculative_num_steps", "draft_checkpoint")),
+    ("Speculative decoding", ("speculative_algorithm", "speculative_num_steps", "draft_checkpoint",
+                              "speculative_disable_by_batch_size")),
     ("MoE and rollout routing replay", ("num_experts", "num_experts_per_tok", "routing_replay")),
 )
 

@@ -156,6 +156,7 @@ class RolloutState:
     def model_info(self) -> dict[str, Any]:
         spec = {} if self.draft is None else {"speculative_algorithm": "STANDALONE",
                                               "speculative_num_steps": self.draft.num_steps,
+                                              "speculative_disable_by_batch_size": self.draft.disable_by_batch_size,
                                               "draft_weight_version": str(self.draft.version)}
         return {"model_path": "miles-fn", "is_generation": True, "weight_version": str(self.version),
                 **sglang_api.ops_info(self.ops_cfg), **spec}
@@ -481,7 +482,10 @@ def load_draft(args: argparse.Namespace, cfg: ModelConfig, version: int) -> Spec
         check_draft(cfg, dcfg, args.speculative_num_steps)
     except ValueError as e:
         raise ValueError(f"--speculative-draft-model-path={args.speculative_draft_model_path}: {e}") from None
-    return SpecDraft(dcfg, dparams, version, args.speculative_num_steps)
+    if args.speculative_disable_by_batch_size < 0:
+        raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got "
+                         f"{args.speculative_disable_by_batch_size}")
+    return SpecDraft(dcfg, dparams, version, args.speculative_num_steps, args.speculative_disable_by_batch_size)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -522,6 +526,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "(docs/speculative-decoding.md). Its weights change by /update_weights_from_tensor with draft_only")
     p.add_argument("--speculative-draft-model-path", default="", help="the draft's Hugging Face checkpoint directory")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per verify forward")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=0, help="a decode round with more "
+                   "live rows than this is a plain step (the same tokens); 0 = always speculate")
     p.add_argument("--debug-fail-start", action="store_true", help="tests: exit at once, as a broken server")
     p.add_argument("--debug-group-fault", default="", help="tests: 'unreachable' (dial a dead port to join a "
                    "weight-update group) or 'crash_in_update:N' (die inside the Nth distributed update)")

@@ -101,7 +101,7 @@ def server_draft(cfg: Any, state: Any) -> SpecDraft | None:
     if not spec.enabled or cfg.rollout.backend != "http":
         return None
     dcfg, params = draft_model(spec, cfg.model, state.key)
-    return SpecDraft(dcfg, params, int(state.step), spec.num_steps)
+    return SpecDraft(dcfg, params, int(state.step), spec.num_steps, spec.disable_by_batch_size)
 
 
 def engine_for(cfg: Any, engine: Any) -> Any:
@@ -109,7 +109,8 @@ def engine_for(cfg: Any, engine: Any) -> Any:
     if not cfg.speculative.enabled or not isinstance(engine, EmbeddedEngine):
         return engine
     return SpeculativeEngine(engine.cfg, engine.params, engine.version, engine.batch_size, engine.ops_cfg,
-                             draft_config(cfg.speculative, engine.cfg), cfg.speculative.num_steps)
+                             draft_config(cfg.speculative, engine.cfg), cfg.speculative.num_steps,
+                             cfg.speculative.disable_by_batch_size)
 
 
 class SpeculativeEngine(EmbeddedEngine):
@@ -120,14 +121,14 @@ class SpeculativeEngine(EmbeddedEngine):
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, batch_size: int, ops_cfg: ops.OpsConfig,
-                 draft_cfg: ModelConfig, num_steps: int):
+                 draft_cfg: ModelConfig, num_steps: int, disable_by_batch_size: int = 0):
         super().__init__(cfg, params, version, batch_size, ops_cfg)
-        self.draft_cfg, self.num_steps = draft_cfg, num_steps
+        self.draft_cfg, self.num_steps, self.disable_by_batch_size = draft_cfg, num_steps, disable_by_batch_size
         self.draft: SpecDraft | None = None
         self.meter = SpecMeter()
 
     def update_draft(self, version: int, params: Any) -> None:
-        self.draft = SpecDraft(self.draft_cfg, params, version, self.num_steps)
+        self.draft = SpecDraft(self.draft_cfg, params, version, self.num_steps, self.disable_by_batch_size)
 
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         t0, out = time.perf_counter(), []

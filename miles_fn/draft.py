@@ -40,12 +40,15 @@ class SpeculativeConfig:
     draft_train_steps: int = 1  # AdamW steps of the draft per RL step
     draft_lr: float = 3e-3
     freeze_draft: bool = False  # keep the start-of-run draft (for comparison)
+    disable_by_batch_size: int = 0  # decode plainly while more rows than this are live (0: always speculate)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--speculative_algorithm={self.algorithm!r}: expected one of {ALGORITHMS}")
         if self.num_steps < 1:
             raise ValueError(f"--speculative_num_steps must be >= 1, got {self.num_steps}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError(f"--speculative_disable_by_batch_size must be >= 0, got {self.disable_by_batch_size}")
         if self.draft_hidden_size < 2 or self.draft_num_layers < 1 or self.draft_train_steps < 0:
             raise ValueError("--draft_hidden_size >= 2, --draft_num_layers >= 1 and --draft_train_steps >= 0 needed")
 

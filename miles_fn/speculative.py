@@ -54,6 +54,7 @@ class SpecStats:
     accepted_at: tuple[int, ...] = ()  # [k]: verifies whose drafts 1..j+1 all matched the target's samples
     # Per row, in request order: [k+1] verifies that accepted exactly j drafts (what a server reports per request).
     rows: tuple[tuple[int, ...], ...] = ()
+    plain: tuple[int, ...] = ()  # per row, in request order: plain steps (disable_by_batch_size), not verifies
 
     def add(self, other: SpecStats) -> SpecStats:
         if not self.accepted_at:
@@ -64,7 +65,7 @@ class SpecStats:
             raise ValueError(f"SpecStats.add: k differs ({len(self.accepted_at)} vs {len(other.accepted_at)})")
         return SpecStats(self.verifies + other.verifies, self.emitted + other.emitted,
                          tuple(a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)),
-                         self.rows + other.rows)
+                         self.rows + other.rows, self.plain + other.plain)
 
     @staticmethod
     def from_rows(histograms: Sequence[Sequence[int]], emitted: int) -> SpecStats:
@@ -111,12 +112,14 @@ def generate_speculative(
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
+    disable_by_batch_size: int = 0,
 ) -> tuple[Generation, SpecStats]:
     """generate(params, cfg, prompts, key, sampling, request_ids) with a draft proposing num_steps tokens
     a verify: the same Generation (see the module docstring), and the acceptance counts."""
     ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
     return generate_speculative_rows(params, cfg, draft_params, draft_cfg, prompts, prng.fold_in(key, ids),
-                                     sampling, num_steps, ops_cfg=ops_cfg, draft_ops_cfg=draft_ops_cfg)
+                                     sampling, num_steps, ops_cfg=ops_cfg, draft_ops_cfg=draft_ops_cfg,
+                                     disable_by_batch_size=disable_by_batch_size)
 
 
 def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, num_steps: int) -> None:
@@ -212,9 +215,18 @@ def generate_speculative_rows(
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
+    disable_by_batch_size: int = 0,
 ) -> tuple[Generation, SpecStats]:
-    """generate_rows (one key per request, [B, 2]) with speculative rounds of num_steps draft tokens."""
+    """generate_rows (one key per request, [B, 2]) with speculative rounds of num_steps draft tokens.
+
+    disable_by_batch_size > 0 (vLLM's speculative_disable_by_batch_size): a round with more live rows than
+    that is a plain decode step instead (the target's sample from the same uniform; the draft only takes
+    the token into its cache), since where a step is compute-bound a verify of k+1 tokens a row costs k+1
+    steps. The tokens are the same either way; SpecStats.plain counts those steps per row.
+    """
     check_draft(cfg, draft_cfg, num_steps)
+    if disable_by_batch_size < 0:
+        raise ValueError(f"generate_speculative: disable_by_batch_size must be >= 0, got {disable_by_batch_size}")
     k = num_steps
     b = len(prompts)
     if b == 0:
@@ -242,7 +254,8 @@ def generate_speculative_rows(
     # position lens - 1 + t (its round starts one token earlier, at prev).
     kt = kd = None
     if n_new > 1:
-        kt = _plans(params, cfg, cache_t, valid_t, lens, n_new + k, [k + 1], ops_cfg)
+        kt = _plans(params, cfg, cache_t, valid_t, lens, n_new + k, [k + 1, 1] if disable_by_batch_size else [k + 1],
+                    ops_cfg)
         kd = _plans(draft_params, draft_cfg, cache_d, valid_d, lens - 1, n_new + k + 1, [2, 1], draft_ops_cfg)
     kernel_sampler = (kt is not None and sampling.top_k == 0 and sampling.top_p == 1.0
                       and not sampling.limits(cfg.vocab_size))  # as generate_rows decides for plain decoding
@@ -267,20 +280,24 @@ def generate_speculative_rows(
     prev_valid = torch.zeros(b, dtype=torch.bool)  # ...unless the previous round accepted all k drafts
     verifies, emitted, accepted_at = 0, 0, torch.zeros(k, dtype=torch.int64)
     hist = torch.zeros(b, k + 1, dtype=torch.int64)  # per row: verifies that accepted exactly j drafts
+    plain = torch.zeros(b, dtype=torch.int64)  # per row: plain steps (rounds past disable_by_batch_size)
+    no_drafts = torch.zeros(b, 0, dtype=torch.int64)
     col = lp
     causal_blk = torch.tril(torch.ones(k + 1, k + 1, dtype=torch.bool))
     while not bool(done.all()):
         live = ~done
         pos = lens + n - 1  # pending's position
+        # kr = k drafts this round, or 0: a plain step (more live rows than disable_by_batch_size).
+        kr = 0 if disable_by_batch_size and int(live.sum()) > disable_by_batch_size else k
         # Draft: [prev, pending] at columns col, col+1, then d_1..d_{k-1} one a step at col+2 .. col+k.
         valid_d[:, col] = prev_valid
-        valid_d[:, col + 1 : col + k + 1] = True  # tentative: a query only sees the columns before it
+        valid_d[:, col + 1 : col + max(kr, 1) + 1] = True  # tentative: a query only sees the columns before it
         # On the kernel only the live rows are computed (finished rows cost nothing): li, None when all are live.
         li = None if bool(live.all()) else torch.nonzero(live).squeeze(1)
         if kd is not None:  # prev's own column is masked when invalid: its output is unused either way
             dl = kd[0].block_step(_take(torch.stack([prev, pending], 1), li), _take(n - 1, li), col, li)
-            drafts = [_greedy(dl[:, -1], sampling)]
-            for j in range(1, k):
+            drafts = [_greedy(dl[:, -1], sampling)] if kr else []
+            for j in range(1, kr):
                 drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], _take(n + j, li), col + j + 1, li)[:, -1],
                                       sampling))
             if li is not None:  # back to [B]: a finished row's drafts are never read
@@ -290,23 +307,24 @@ def generate_speculative_rows(
             m2[:, 0, col], m2[:, 0, col + 1] = True, False
             dl = model.forward(draft_params, draft_cfg, torch.stack([prev, pending], 1),
                                torch.stack([pos - 1, pos], 1).clamp(min=0), m2, cache_d, col, ops_cfg=draft_ops_cfg)
-            drafts = [_greedy(dl[:, -1], sampling)]
-            for j in range(1, k):
+            drafts = [_greedy(dl[:, -1], sampling)] if kr else []
+            for j in range(1, kr):
                 dl = model.forward(draft_params, draft_cfg, drafts[-1][:, None], (pos + j)[:, None],
                                    valid_d[:, None, : col + j + 2], cache_d, col + j + 1, ops_cfg=draft_ops_cfg)
                 drafts.append(_greedy(dl[:, -1], sampling))
-        d = torch.stack(drafts, 1)  # [B, k]
+        d = torch.stack(drafts, 1) if kr else no_drafts  # [B, kr]
 
-        # Verify: [pending, d_1..d_k] at columns col..col+k, causal within the block.
+        # Verify: [pending, d_1..d_kr] at columns col..col+kr, causal within the block.
         block = torch.cat([pending[:, None], d], 1)
+        sp = span[: kr + 1]
         if kt is not None:
-            valid_t[:, col : col + k + 1] = True  # the kernel's query j sees columns ..col+j: causal
-            z = kt[0].block_step(_take(block, li), _take(n - 1, li), col, li)
+            valid_t[:, col : col + kr + 1] = True  # the kernel's query j sees columns ..col+j: causal
+            z = kt[0 if kr else 1].block_step(_take(block, li), _take(n - 1, li), col, li)
         else:
-            mask = torch.cat([valid_t[:, None, :col].expand(b, k + 1, col),
-                              causal_blk[None].expand(b, k + 1, k + 1)], -1)
-            z = model.forward(params, cfg, block, pos[:, None] + span[None], mask, cache_t, col, ops_cfg=ops_cfg)
-        idx = n[:, None] + span[None]  # [B, k+1]: the emitted index each verify column would take
+            mask = torch.cat([valid_t[:, None, :col].expand(b, kr + 1, col),
+                              causal_blk[None, : kr + 1, : kr + 1].expand(b, kr + 1, kr + 1)], -1)
+            z = model.forward(params, cfg, block, pos[:, None] + sp[None], mask, cache_t, col, ops_cfg=ops_cfg)
+        idx = n[:, None] + sp[None]  # [B, kr+1]: the emitted index each verify column would take
         uv = None if u is None else u[idx, rows[:, None]]
         if li is None or kt is None:
             s, slp, a = verify(z, d, uv, sampling, ops_cfg, kernel_sampler)
@@ -314,18 +332,21 @@ def generate_speculative_rows(
             live_out = verify(z, d[li], None if uv is None else uv[li], sampling, ops_cfg, kernel_sampler)
             s, slp, a = (_put(x, li, b) for x in live_out)
         m = torch.minimum(a + 1, n_new - n)  # tokens this round emits: s_0 .. s_a, capped
-        hit = torch.isin(s, stop) & (span[None] < m[:, None])
+        hit = torch.isin(s, stop) & (sp[None] < m[:, None])
         if sampling.stop_token_ids:
-            first_stop = torch.where(hit, span[None], k + 1).amin(1)
+            first_stop = torch.where(hit, sp[None], kr + 1).amin(1)
             m = torch.minimum(m, first_stop + 1)
         m = torch.where(live, m, 0)
         # Rows past their window are overwritten by their next round or cut by n below.
         out_tok.scatter_(1, idx, s)
         out_lp.scatter_(1, idx, slp)
-        verifies += int(live.sum())
-        emitted += int(m.sum())
-        accepted_at += ((a[:, None] > torch.arange(k)[None]) & live[:, None]).sum(0)
-        hist[rows, a] += live.long()
+        if kr:
+            verifies += int(live.sum())
+            emitted += int(m.sum())
+            accepted_at += ((a[:, None] > torch.arange(k)[None]) & live[:, None]).sum(0)
+            hist[rows, a] += live.long()
+        else:
+            plain += live.long()
 
         # Keep the columns of pending and the accepted drafts; the rest are invalid from now on.
         valid_t[:, col : col + k + 1] = (span[None] <= a[:, None]) & live[:, None]
@@ -333,14 +354,15 @@ def generate_speculative_rows(
         valid_d[:, col + 1] = live
         valid_d[:, col + 2 : col + k + 1] = (torch.arange(1, k)[None] <= a[:, None]) & live[:, None]
         pending = torch.where(live, s[rows, a], pending)
-        prev, prev_valid = d[:, k - 1], live & (a == k)  # d_k never went through the draft
+        # d_k never went through the draft (after a plain step nothing is pending for it: a = 0 < k)
+        prev, prev_valid = (d[:, k - 1] if kr else pending), live & (a == k)
         n = n + m
         done = done | (n >= n_new) | (hit.any(1) & live)
         col += k + 1
 
     gen = _generation(out_tok, out_lp, n, sampling)
     return gen, SpecStats(verifies, emitted, tuple(int(x) for x in accepted_at.tolist()),
-                          tuple(tuple(h) for h in hist.tolist()))
+                          tuple(tuple(h) for h in hist.tolist()), tuple(plain.tolist()))
 
 
 def _generation(out_tok: torch.Tensor, out_lp: torch.Tensor, n_out: torch.Tensor, sampling: SamplingConfig

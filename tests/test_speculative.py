@@ -98,6 +98,33 @@ def test_on_the_c_kernel_the_same_tokens_as_plain_decoding_on_it(models, monkeyp
     assert blocks and all(h == DRAFT_CFG.hidden_size for h, _ in blocks)  # the target never under invariant ops
 
 
+@pytest.mark.parametrize("oc", [ops.INVARIANT, TORCH, ops.OpsConfig(decode_backend="auto")],
+                         ids=["invariant", "torch", "auto"])
+def test_plain_steps_past_disable_by_batch_size_keep_plain_decodings_samples(models, oc):
+    """disable_by_batch_size=3: rounds with more live rows are plain steps (1 token a row, no drafts), then the
+    rows left speculate. The tokens are plain decoding's; the log-probs bitwise under invariant ops."""
+    target, drafts = models
+    # This stop token ends the rows after 4, 8, 11, 12 and 12 tokens: 5 live rows, then 3 and fewer.
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, stop_token_ids=(15,))
+    plain = generate(target, CFG, PROMPTS, prng.key(3), s, ops_cfg=oc)
+    assert sorted(len(t) for t in plain.tokens) == [4, 8, 11, 12, 12]
+    for draft, dcfg in drafts[1:]:
+        spec, stats = generate_speculative(target, CFG, draft, dcfg, PROMPTS, prng.key(3), s, 3, ops_cfg=oc,
+                                           disable_by_batch_size=3)
+        assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
+        for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
+            if oc.invariant:
+                assert torch.equal(torch.tensor(a), torch.tensor(b))
+            else:
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        assert sum(stats.plain) > 0 and stats.verifies > 0 and sum(stats.accepted_at) > 0
+        # each row's tokens after the first: 1 per plain step, 1..k+1 per verify
+        for toks, h, p in zip(spec.tokens, stats.rows, stats.plain, strict=True):
+            assert sum(h) + p <= len(toks) - 1 <= 4 * sum(h) + p
+    with pytest.raises(ValueError, match="disable_by_batch_size must be >= 0"):
+        generate_speculative(target, CFG, *drafts[1], PROMPTS, prng.key(3), s, 3, disable_by_batch_size=-1)
+
+
 def test_acceptance_rule_on_hand_built_distributions():
     # p = (.5, .3, .2) at every column: inverse CDF with cdf (.5, .8, 1) maps u < .5 -> 0, [.5, .8) -> 1, else 2.
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(4, 3, 3)

@@ -42,10 +42,13 @@ def _pairs(reply):
     return [[(p[1], p[0]) for p in item["meta_info"]["output_token_logprobs"]] for item in reply]
 
 
-@pytest.mark.parametrize("ops_cfg", [ops.INVARIANT, ops.REFERENCE], ids=["invariant", "reference"])
-def test_a_speculating_server_returns_plain_decodings_samples(ops_cfg):
+@pytest.mark.parametrize("ops_cfg,disable", [(ops.INVARIANT, 0), (ops.REFERENCE, 0), (ops.INVARIANT, 2)],
+                         ids=["invariant", "reference", "disable_by_batch_size"])
+def test_a_speculating_server_returns_plain_decodings_samples(ops_cfg, disable):
+    """With --speculative-disable-by-batch-size 2 the rounds with 3 or 4 live rows are plain steps, counted in
+    meta_info.spec_plain_ct; the samples are plain decoding's all the same."""
     sampling = SamplingConfig(temperature=0.8, max_new_tokens=9, stop_token_ids=(5,))
-    draft = SpecDraft(DCFG, model.init_params(DCFG, prng.key(1), 0.3), 4, 3)
+    draft = SpecDraft(DCFG, model.init_params(DCFG, prng.key(1), 0.3), 4, 3, disable)
     plain = _server(None, ops_cfg).generate(_body(sampling))
     spec = _server(draft, ops_cfg).generate(_body(sampling))
     if ops_cfg.invariant:
@@ -58,9 +61,11 @@ def test_a_speculating_server_returns_plain_decodings_samples(ops_cfg):
         meta = item["meta_info"]
         hist = meta["spec_accept_histogram"]
         assert len(hist) == 4 and meta["spec_verify_ct"] == sum(hist) and meta["draft_weight_version"] == "4"
-        n = meta["completion_tokens"]
-        assert (n - 1) / 4 <= sum(hist) <= n - 1  # each verify emits 1..k+1 tokens after the prefill's first
+        n, p = meta["completion_tokens"], meta["spec_plain_ct"]
+        assert sum(hist) + p <= n - 1 <= 4 * sum(hist) + p  # a verify emits 1..k+1 tokens, a plain step 1
     assert all("spec_accept_histogram" not in item["meta_info"] for item in plain)
+    plain_steps = sum(item["meta_info"]["spec_plain_ct"] for item in spec)
+    assert (plain_steps > 0) is (disable > 0)  # 6 requests in chunks of 4: the first rounds have 4 live rows
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted_greedy():
@@ -109,7 +114,7 @@ def test_server_flags_are_checked_by_name(tmp_path):
 
     def load(**kw):
         args = argparse.Namespace(**{"speculative_algorithm": "", "speculative_draft_model_path": "",
-                                     "speculative_num_steps": 3, **kw})
+                                     "speculative_num_steps": 3, "speculative_disable_by_batch_size": 0, **kw})
         return rollout_server.load_draft(args, CFG, 7)
 
     assert load() is None
@@ -118,6 +123,8 @@ def test_server_flags_are_checked_by_name(tmp_path):
     for kw, msg in (({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(tmp_path / "d")},
                      "--speculative-algorithm=EAGLE3"),
                     ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
+                    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tmp_path / "d"),
+                      "speculative_disable_by_batch_size": -1}, "--speculative-disable-by-batch-size must be >= 0"),
                     ({"speculative_draft_model_path": str(tmp_path / "d")}, "needs --speculative-algorithm"),
                     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tmp_path / "none")},
                      "--speculative-draft-model-path="),
@@ -138,7 +145,9 @@ def test_the_client_refuses_a_stale_draft_or_a_malformed_count():
             check_spec([bad], draft, "server X")
     reply = sglang_api.generate_reply([ok], [2])
     assert sglang_api.parse_generate_reply(reply, 1, "X")[0].spec == ok.spec
-    for field, value, msg in (("spec_accept_histogram", [0, 9, 0], "9 verifies cannot emit 2 tokens"),
+    for field, value, msg in (("spec_accept_histogram", [0, 9, 0], "9 verifies .* cannot emit 2 tokens"),
+                              ("spec_plain_ct", 3, "3 plain steps cannot emit 2 tokens"),
+                              ("spec_plain_ct", -1, "spec_plain_ct: -1 is outside"),
                               ("spec_accept_histogram", [1], "a list of k\\+1 >= 2"),
                               ("spec_accept_histogram", [0, "1", 0], "an integer is required"),
                               ("draft_weight_version", None, "draft_weight_version")):

@@ -122,7 +122,8 @@ def draft_args(draft: SpecDraft | None, root: str) -> list[str]:
     path = os.path.abspath(os.path.join(root, "draft_init"))
     hf.save_hf(path, draft.cfg, draft.params)
     return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", path,
-            "--speculative-num-steps", str(draft.num_steps)]
+            "--speculative-num-steps", str(draft.num_steps),
+            "--speculative-disable-by-batch-size", str(draft.disable_by_batch_size)]
 
 
 def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir: str, num_threads: int,

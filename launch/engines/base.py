@@ -42,6 +42,7 @@ class SpecInfo(NamedTuple):
 
     histogram: tuple[int, ...]
     draft_version: int
+    plain: int = 0  # decode steps taken without drafts (--speculative_disable_by_batch_size)
 
 
 class Sample(NamedTuple):
@@ -60,6 +61,7 @@ class SpecDraft(NamedTuple):
     params: Any
     version: int
     num_steps: int
+    disable_by_batch_size: int = 0  # rounds with more live rows decode plainly (0: always speculate)
 
 
 class Batch(NamedTuple):
@@ -147,26 +149,31 @@ class SpecMeter:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, ...]] = []
-        self.emitted = self.tokens = 0
+        self.emitted = self.tokens = self.plain = 0
         self.seconds = 0.0
 
     def record(self, samples: Sequence[Sample], seconds: float) -> None:
         for s in samples:
             if s.spec is not None:
                 self.rows.append(s.spec.histogram)
-                self.emitted += len(s.tokens) - 1  # the first token of each comes from the prefill
+                self.plain += s.spec.plain
+                # the first token of each comes from the prefill, and a plain step's from no verify
+                self.emitted += len(s.tokens) - 1 - s.spec.plain
         self.tokens += sum(len(s.tokens) for s in samples)
         self.seconds += seconds
 
     def take(self) -> dict[str, float]:
-        """spec_accept_length (tokens per verify), spec_accept_rate, spec_accept_pos_j; and
-        time_rollout_tokens_per_s (wall clock, so it goes to timings.jsonl)."""
+        """spec_accept_length (tokens per verify), spec_accept_rate, spec_accept_pos_j, spec_plain_frac (the
+        decode forwards that did not speculate); and time_rollout_tokens_per_s (wall clock, so it goes to
+        timings.jsonl)."""
         from miles_fn.speculative import SpecStats
 
         st, out = SpecStats.from_rows(self.rows, self.emitted), {}
         if st.verifies:
             out = {"spec_accept_length": st.tokens_per_verify, "spec_accept_rate": st.accept_rate,
                    **{f"spec_accept_pos_{j + 1}": a for j, a in enumerate(st.accept_by_position)}}
+        if st.verifies or self.plain:
+            out["spec_plain_frac"] = self.plain / (self.plain + st.verifies)
         if self.seconds > 0:
             out["time_rollout_tokens_per_s"] = self.tokens / self.seconds
         self.__init__()

@@ -63,9 +63,11 @@ def run_chunk(params: Any, cfg: ModelConfig, chunk: Sequence[Request], sampling:
     prompts, keys = [r.input_ids for r in chunk], seed_keys([r.seed for r in chunk])
     if draft is not None:
         gen, stats = generate_speculative_rows(params, cfg, draft.params, draft.cfg, prompts, keys, sampling,
-                                               draft.num_steps, ops_cfg=ops_cfg)
-        return [Sample(t, lp, f, version, spec=SpecInfo(h, draft.version))
-                for t, lp, f, h in zip(gen.tokens, gen.logprobs, gen.finish_reasons, stats.rows, strict=True)]
+                                               draft.num_steps, ops_cfg=ops_cfg,
+                                               disable_by_batch_size=draft.disable_by_batch_size)
+        return [Sample(t, lp, f, version, spec=SpecInfo(h, draft.version, p))
+                for t, lp, f, h, p in zip(gen.tokens, gen.logprobs, gen.finish_reasons, stats.rows, stats.plain,
+                                          strict=True)]
     gen = generate_rows(params, cfg, prompts, keys, sampling, ops_cfg=ops_cfg)
     routes = gen.routed_experts or [None] * len(gen.tokens)  # MoE models: the experts run per token (R3)
     return [Sample(t, lp, f, version, r)

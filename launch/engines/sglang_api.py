@@ -181,7 +181,7 @@ def spec_meta(spec: SpecInfo) -> dict[str, Any]:
     """A speculating server's per-request meta_info (SGLang's spec_verify_ct and spec_accept_histogram, and
     the draft's weight version, which SGLang does not report)."""
     return {"spec_verify_ct": sum(spec.histogram), "spec_accept_histogram": list(spec.histogram),
-            "draft_weight_version": str(spec.draft_version)}
+            "spec_plain_ct": spec.plain, "draft_weight_version": str(spec.draft_version)}
 
 
 def parse_spec_meta(meta: dict[str, Any], n_tokens: int) -> SpecInfo | None:
@@ -192,16 +192,18 @@ def parse_spec_meta(meta: dict[str, Any], n_tokens: int) -> SpecInfo | None:
     if not isinstance(hist, list) or len(hist) < 2:
         raise ValueError(f"spec_accept_histogram: a list of k+1 >= 2 counts is required, got {show(hist)}")
     counts = tuple(strict_int(c, "spec_accept_histogram", 0) for c in hist)
+    plain = strict_int(meta.get("spec_plain_ct", 0), "spec_plain_ct", 0)  # absent from SGLang's replies
     verifies = sum(counts)
-    if n_tokens and not (n_tokens - 1) / max(len(counts), 1) <= verifies <= n_tokens - 1:
-        raise ValueError(f"spec_accept_histogram {show(hist)}: {verifies} verifies cannot emit {n_tokens - 1} tokens "
-                         f"after the first (each emits 1..{len(counts)})")
+    if n_tokens and not verifies + plain <= n_tokens - 1 <= verifies * len(counts) + plain:
+        raise ValueError(f"spec_accept_histogram {show(hist)}, spec_plain_ct {plain}: {verifies} verifies (each "
+                         f"emits 1..{len(counts)}) and {plain} plain steps cannot emit {n_tokens - 1} tokens after "
+                         "the first")
     v = meta.get("draft_weight_version")
     try:
         draft_version = int(v)
     except (TypeError, ValueError):
         raise ValueError(f"draft_weight_version: an integer string is required, got {show(v)}") from None
-    return SpecInfo(counts, draft_version)
+    return SpecInfo(counts, draft_version, plain)
 
 
 def abort_reply(n_prompt: int) -> dict[str, Any]:
