@@ -121,23 +121,24 @@ def job_metrics(out_dir: str) -> list[dict[str, Any]]:
 
 def make_contenders(target: Any, cfg: Any, drafts: dict[str, Any], dcfg: Any, groups: list[list[list[int]]],
                     key: prng.Key, sampling: SamplingConfig, k: int) -> dict[str, Any]:
-    """Plain decoding as the job runs it, and speculation with each draft, each over every group of prompts in
-    turn (a group is one call): name -> () -> (token lists, tokens per verify or None)."""
+    """Plain decoding as the job runs it, and speculation with each draft (name -> (params,
+    disable_by_batch_size)), each over every group of prompts in turn (a group is one call):
+    name -> () -> (token lists, tokens per verify or None)."""
 
     def plain() -> tuple[list[list[int]], None]:
         return [t for i, g in enumerate(groups)
                 for t in generate(target, cfg, g, prng.fold_in(key, i), sampling, ops_cfg=JOB_OPS).tokens], None
 
-    def spec(d: Any) -> tuple[list[list[int]], float]:
+    def spec(d: Any, disable: int) -> tuple[list[list[int]], float]:
         toks, verifies, emitted = [], 0, 0
         for i, g in enumerate(groups):
             gen, st = generate_speculative(target, cfg, d, dcfg, g, prng.fold_in(key, i), sampling, k,
-                                           ops_cfg=JOB_OPS)
+                                           ops_cfg=JOB_OPS, disable_by_batch_size=disable)
             toks += gen.tokens
             verifies, emitted = verifies + st.verifies, emitted + st.emitted
         return toks, emitted / max(verifies, 1)
 
-    return {"no draft": plain, **{name: (lambda d=d: spec(d)) for name, d in drafts.items()}}
+    return {"no draft": plain, **{name: (lambda d=d: spec(*d)) for name, d in drafts.items()}}
 
 
 def time_cell(contenders: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -185,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.add_argument("--draft_steps", type=int, default=4, help="the job's --draft_train_steps"),
         p.add_argument("--draft_lr", type=float, default=1e-3),
         p.add_argument("--rl_steps", type=int, default=10),
+        p.add_argument("--plain_past", type=int, default=2, help="the online draft's extra contender at larger "
+                       "batches: --speculative_disable_by_batch_size"),
         p.add_argument("--train_threads", type=int, default=2, help="threads for the untimed phases"),
         p.add_argument("--work_dir", default="/tmp/miles_fn_real_spec"),
         p.add_argument("--model_cache_dir", default=gguf_import.DEFAULT_CACHE_DIR)))
@@ -192,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     repeats, n_prompts, steps = args.repeats, args.distill_prompts, args.distill_steps
     if args.quick:
         batches, repeats, n_prompts, steps, args.rl_steps, args.new_tokens = [1, 2], 1, 4, 2, 1, 4
+        args.plain_past = 1  # so that batch 2 runs the contender
     torch.set_num_threads(args.train_threads)
     t_setup = time.perf_counter()
     path = gguf_import.resolve_checkpoint(NAME, args.model_cache_dir)
@@ -222,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     job_s = time.perf_counter() - t_job
     state = checkpoint.load(checkpoint.latest(os.path.join(out_dir, "checkpoints"))).tree["state"]
     late, online = state.inner.params, state.draft.params
-    drafts = {"early": {"frozen draft": frozen_params},
-              "late": {"frozen draft": frozen_params, "online draft": online}}
+    drafts = {"early": {"frozen draft": (frozen_params, 0)},
+              "late": {"frozen draft": (frozen_params, 0), "online draft": (online, 0)}}
     per_step = job_metrics(out_dir)
     torch.set_num_threads(args.threads)
 
@@ -232,8 +236,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for phase, target in (("early", early), ("late", late)):
         for b in batches:  # batch 1: 8 requests one after another (one sample is too few to time acceptance on)
             groups = [[p] for p in prompts_all[: 2 if args.quick else 8]] if b == 1 else [prompts_all[:b]]
-            c = cell(target, cfg, drafts[phase], dcfg, groups, prng.fold_in(root, 100 + b), sampling, args.k,
-                     repeats)
+            cands = dict(drafts[phase])
+            if phase == "late" and b > args.plain_past:
+                cands[f"online, plain past {args.plain_past} rows"] = (online, args.plain_past)
+            c = cell(target, cfg, cands, dcfg, groups, prng.fold_in(root, 100 + b), sampling, args.k, repeats)
             if not c["identical"]:
                 raise AssertionError(f"speculative tokens differ from plain decoding ({phase}, batch {b})")
             base, tail = c["seconds"]["no draft"], c["tail"]
