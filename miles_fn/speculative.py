@@ -65,7 +65,8 @@ class SpecStats:
             raise ValueError(f"SpecStats.add: k differs ({len(self.accepted_at)} vs {len(other.accepted_at)})")
         return SpecStats(self.verifies + other.verifies, self.emitted + other.emitted,
                          tuple(a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)),
-                         self.rows + other.rows, self.plain + other.plain)
+                         self.rows + other.rows,
+                         (self.plain or (0,) * len(self.rows)) + (other.plain or (0,) * len(other.rows)))
 
     @staticmethod
     def from_rows(histograms: Sequence[Sequence[int]], emitted: int) -> SpecStats:
@@ -254,8 +255,8 @@ def generate_speculative_rows(
     # position lens - 1 + t (its round starts one token earlier, at prev).
     kt = kd = None
     if n_new > 1:
-        kt = _plans(params, cfg, cache_t, valid_t, lens, n_new + k, [k + 1, 1] if disable_by_batch_size else [k + 1],
-                    ops_cfg)
+        steps = 0 < disable_by_batch_size < b  # some round may have more live rows: a 1-token plan too
+        kt = _plans(params, cfg, cache_t, valid_t, lens, n_new + k, [k + 1, 1] if steps else [k + 1], ops_cfg)
         kd = _plans(draft_params, draft_cfg, cache_d, valid_d, lens - 1, n_new + k + 1, [2, 1], draft_ops_cfg)
     kernel_sampler = (kt is not None and sampling.top_k == 0 and sampling.top_p == 1.0
                       and not sampling.limits(cfg.vocab_size))  # as generate_rows decides for plain decoding
@@ -358,7 +359,7 @@ def generate_speculative_rows(
         prev, prev_valid = (d[:, k - 1] if kr else pending), live & (a == k)
         n = n + m
         done = done | (n >= n_new) | (hit.any(1) & live)
-        col += k + 1
+        col += (k if kr else 1) + 1  # a plain step uses 2 columns: the draft's [prev, pending], the target's first
 
     gen = _generation(out_tok, out_lp, n, sampling)
     return gen, SpecStats(verifies, emitted, tuple(int(x) for x in accepted_at.tolist()),

@@ -25,6 +25,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -193,28 +195,50 @@ def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
 # What the kernel derives from a weight tensor (the stacked layer, packed panels), kept while that tensor
 # lives: an engine's calls between two weight syncs share one copy (on SmolLM2-135M the stacking alone
 # was ~30 ms a call, more than a decode step). Keyed weakly by the tensor the entry derives from, and
-# checked against every source's (data_ptr, _version): an in-place weight update (copy_, load) bumps
-# _version, so a stale entry is never used. A memo of a pure function of the weights, not state.
-_DERIVED = WeakTensorKeyDictionary()  # owner tensor -> (its sources' signature, {what: derived})
+# checked against every source tensor by identity (a weak reference) and _version: a replaced tensor
+# (a weight sync's new tensors) or one written in place (copy_, load) remakes the entry. A write that
+# bypasses the version counter (through .data, numpy or ctypes) is not seen; nothing here writes weights
+# so. Entries no plan has used in the last _KEEP_PLANS plan builds are dropped (the run's first weights,
+# kept alive as the KL reference, would otherwise pin their copies all run). A memo of a pure function
+# of the weights, not state; one lock, as an engine may build plans on two threads.
+_DERIVED = WeakTensorKeyDictionary()  # owner tensor -> [its sources' (ref, _version), last plan, {what: derived}]
 _PACKED_ROW_COUNTS = 2  # packed panels kept per weight: one per GEMM row count, the most recent ones
+_KEEP_PLANS = 8  # a speculative call builds up to 4 plans (target verify and step, draft's two)
+_LOCK = threading.Lock()
+_plans_built = 0
 
 
-def _derived(owner: torch.Tensor, sources: list[torch.Tensor | None], what: Any, make: Any) -> Any:
+def _derived(owner: torch.Tensor, sources: list[torch.Tensor | None], what: Any, make: Any, plan: int) -> Any:
     """make(), memoised under `owner` for `what` ("stacked", or an int: panels packed for that many GEMM
-    rows, the last _PACKED_ROW_COUNTS of them kept) while every tensor of `sources` is unchanged."""
-    sig = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources if t is not None)
-    entry = _DERIVED.get(owner)
-    if entry is None or entry[0] != sig:
-        entry = (sig, {})
-        _DERIVED[owner] = entry
-    memo = entry[1]
-    if what not in memo:
-        if isinstance(what, int):  # packed panels (keyed by their row count): each set is the weights' size
-            counts = [w for w in memo if isinstance(w, int)]  # insertion order: the oldest first
-            for w in counts[: max(0, len(counts) + 1 - _PACKED_ROW_COUNTS)]:
-                del memo[w]
-        memo[what] = make()
-    return memo[what]
+    rows, the last _PACKED_ROW_COUNTS of them kept) while every tensor of `sources` is the same, unchanged.
+    `plan`: the building plan's number (_next_plan)."""
+    srcs = [t for t in sources if t is not None]
+    with _LOCK:
+        entry = _DERIVED.get(owner)
+        if entry is None or len(entry[0]) != len(srcs) or any(
+                r() is not t or v != t._version for (r, v), t in zip(entry[0], srcs, strict=True)):
+            entry = [[(weakref.ref(t), t._version) for t in srcs], plan, {}]
+            _DERIVED[owner] = entry
+        entry[1] = plan
+        memo = entry[2]
+        if what not in memo:
+            if isinstance(what, int):  # packed panels (keyed by their row count): each set is the weights' size
+                counts = [w for w in memo if isinstance(w, int)]  # insertion order: the oldest first
+                for w in counts[: max(0, len(counts) + 1 - _PACKED_ROW_COUNTS)]:
+                    del memo[w]
+            memo[what] = make()
+        return memo[what]
+
+
+def _next_plan() -> int:
+    """A new plan's number; entries unused by the last _KEEP_PLANS plans are dropped first."""
+    global _plans_built
+    with _LOCK:
+        _plans_built += 1
+        stale = [o for o, entry in _DERIVED.items() if entry[1] < _plans_built - _KEEP_PLANS]
+        for o in stale:
+            del _DERIVED[o]
+        return _plans_built
 
 
 def _layer_sources(layer: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
@@ -222,9 +246,9 @@ def _layer_sources(layer: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
                                    "w_up", "w_down")]
 
 
-def stacked_layer(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+def stacked_layer(layer: dict[str, torch.Tensor], plan: int) -> dict[str, torch.Tensor | None]:
     """_stacked(layer), made once while the layer's weights are unchanged."""
-    return _derived(layer["wq"], _layer_sources(layer), "stacked", lambda: _stacked(layer))
+    return _derived(layer["wq"], _layer_sources(layer), "stacked", lambda: _stacked(layer), plan)
 
 
 def _pack(lib: ctypes.CDLL, w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -293,7 +317,8 @@ class DecodePlan:
         b, s = key_valid.shape
         m = b * block  # rows of every GEMM
         d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head
-        layers = [stacked_layer(layer) for layer in params["layers"]]
+        plan = _next_plan()
+        layers = [stacked_layer(layer, plan) for layer in params["layers"]]
         head = params.get("lm_head", params["embed"]).contiguous()
         self._keep: list[Any] = [layers, head, params["embed"].contiguous(), params["final_norm"].contiguous()]
         self.key_valid = key_valid.to(torch.uint8).contiguous()
@@ -318,11 +343,11 @@ class DecodePlan:
             **{n: _ptr(t) for n, t in scratch.items()})
         if packs(lib, m):  # once per weights and row count: ~one pass over them, then every step skips it
             per_layer = [_derived(src["wq"], _layer_sources(src), m,
-                                  lambda layer=layer: {n: _pack(lib, layer[n], m) for n in _PACKED})
+                                  lambda layer=layer: {n: _pack(lib, layer[n], m) for n in _PACKED}, plan)
                          for src, layer in zip(params["layers"], layers, strict=True)]
             packed = {n: [p[n] for p in per_layer] for n in _PACKED}
             head_src = params.get("lm_head", params["embed"])
-            head_p = _derived(head_src, [head_src], m, functools.partial(_pack, lib, head, m))
+            head_p = _derived(head_src, [head_src], m, functools.partial(_pack, lib, head, m), plan)
             self._keep += [packed, head_p]
             parrays = {f"{n}_p": _ptrs(ts) for n, ts in packed.items()}
             self._keep.append(parrays)

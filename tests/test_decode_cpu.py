@@ -222,6 +222,18 @@ def test_derived_weights_are_made_once_and_remade_after_an_in_place_update(hf_mo
     for prompt, tokens, lps in zip(prompts, gen.tokens, gen.logprobs, strict=True):
         _, ref = _float64_logprobs(params, cfg, prompt, tokens, 0.8)
         assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-5), (prompt, tokens)
+    # A source replaced by a new tensor (a partial weight sync), the owner (wq) kept: remade too.
+    before = plan()._keep[0][0]["wqkv"]
+    params["layers"][0]["wv"] = -params["layers"][0]["wv"]
+    after = plan()._keep[0][0]["wqkv"]
+    nv = params["layers"][0]["wv"].shape[0]
+    assert torch.equal(after[-nv:], -before[-nv:])
+    # Weights no plan has used in the last _KEEP_PLANS builds are let go (the KL reference's first weights).
+    _, other = hf.load_hf(path)
+    for _ in range(decode_cpu._KEEP_PLANS + 1):
+        decode_cpu.DecodePlan(other, cfg, model.new_kv_cache(cfg, 12, 10), torch.ones(12, 10, dtype=torch.bool),
+                              cos[:, 0], sin[:, 0])
+    assert params["layers"][0]["wq"] not in decode_cpu._DERIVED and other["layers"][0]["wq"] in decode_cpu._DERIVED
 
 
 @needs_kernel

@@ -121,6 +121,9 @@ def test_plain_steps_past_disable_by_batch_size_keep_plain_decodings_samples(mod
         # each row's tokens after the first: 1 per plain step, 1..k+1 per verify
         for toks, h, p in zip(spec.tokens, stats.rows, stats.plain, strict=True):
             assert sum(h) + p <= len(toks) - 1 <= 4 * sum(h) + p
+    # Counts of calls add up row by row, a call without plain steps counting 0 for each of its rows.
+    both = stats.add(SpecStats(1, 2, (1, 0, 0), ((0, 1, 0, 0),)))
+    assert both.plain == (*stats.plain, 0) and len(both.rows) == len(both.plain)
     with pytest.raises(ValueError, match="disable_by_batch_size must be >= 0"):
         generate_speculative(target, CFG, *drafts[1], PROMPTS, prng.key(3), s, 3, disable_by_batch_size=-1)
 
