@@ -474,6 +474,9 @@ def load_draft(args: argparse.Namespace, cfg: ModelConfig, version: int) -> Spec
                          "EAGLE heads need real SGLang")
     if not args.speculative_draft_model_path:
         raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR")
+    if args.speculative_disable_by_batch_size < 0:
+        raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got "
+                         f"{args.speculative_disable_by_batch_size}")
     try:
         dcfg, dparams = hf.load_hf(args.speculative_draft_model_path)
     except (OSError, KeyError, ValueError) as e:
@@ -482,9 +485,6 @@ def load_draft(args: argparse.Namespace, cfg: ModelConfig, version: int) -> Spec
         check_draft(cfg, dcfg, args.speculative_num_steps)
     except ValueError as e:
         raise ValueError(f"--speculative-draft-model-path={args.speculative_draft_model_path}: {e}") from None
-    if args.speculative_disable_by_batch_size < 0:
-        raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got "
-                         f"{args.speculative_disable_by_batch_size}")
     return SpecDraft(dcfg, dparams, version, args.speculative_num_steps, args.speculative_disable_by_batch_size)
 
 
