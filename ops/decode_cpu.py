@@ -54,6 +54,7 @@ class _Model(ctypes.Structure):
         + [(n, _P) for n in ("x", "h", "qkv", "att", "gu", "scores")]
         + [("lm_head_p", _P)] + [(f"{n}_p", _PP) for n in _PACKED]
         + [("block", ctypes.c_int64), ("small_rows", ctypes.c_int64)]
+        + [("lm_head_i", _P)] + [(f"{n}_i", _PP) for n in _PACKED]
     )
 
 
@@ -209,7 +210,7 @@ _plans_built = 0
 
 
 def _derived(owner: torch.Tensor, sources: list[torch.Tensor | None], what: Any, make: Any, plan: int) -> Any:
-    """make(), memoised under `owner` for `what` ("stacked", or an int: panels packed for that many GEMM
+    """make(), memoised under `owner` for `what` ("stacked", "pairs", or an int: panels packed for that many GEMM
     rows, the last _PACKED_ROW_COUNTS of them kept) while every tensor of `sources` is the same, unchanged.
     `plan`: the building plan's number (_next_plan)."""
     srcs = [t for t in sources if t is not None]
@@ -257,6 +258,29 @@ def _pack(lib: ctypes.CDLL, w: torch.Tensor, rows: int) -> torch.Tensor:
     buf = torch.empty((lib.mf_pack_size(rows, n, k) + 3) // 4)
     lib.mf_pack(rows, n, k, _ptr(w), _ptr(buf))
     return buf
+
+
+def interleave_pairs(w: torch.Tensor) -> torch.Tensor:
+    """w [n, k] (k a multiple of 8) as the few-row GEMM streams it: rows 2i and 2i+1 side by side in chunks
+    of 8 ([n // 2, k // 8, 2, 8]), an odd last row plainly at the end; flat.
+
+    Two weight rows a pass halve the few-row GEMM's loads of its input, and this order keeps the weights
+    one sequential stream: the 4-row product of a 4-token verify on SmolLM2-135M went from 1.4x to about
+    1.3x a 1-row one (bench.real_spec_decode).
+    """
+    n, k = w.shape
+    if k % 8:
+        raise ValueError(f"interleave_pairs: the row length must be a multiple of 8, got {k}")
+    n2 = n - n % 2
+    body = w[:n2].reshape(n2 // 2, 2, k // 8, 8).transpose(1, 2).reshape(-1)
+    return torch.cat([body, w[n2:].reshape(-1)]) if n2 < n else body.contiguous()
+
+
+def pairs_on(lib: ctypes.CDLL) -> bool:
+    """Whether plans give the few-row GEMM its weights in pairs (interleave_pairs): a copy of every matrix,
+    made once per weights. MILES_FN_DECODE_PAIRS=0 reads the plain matrices instead (the same results, bit
+    for bit; for comparisons)."""
+    return small_rows(lib) > 0 and os.environ.get("MILES_FN_DECODE_PAIRS") != "0"
 
 
 def small_rows(lib: ctypes.CDLL) -> int:
@@ -354,6 +378,21 @@ class DecodePlan:
             for n, v in parrays.items():
                 setattr(self._model, n, v)
             self._model.lm_head_p = _ptr(head_p)
+        if pairs_on(lib):  # the few-row GEMM's copies, once per weights; a matrix whose rows are not 8k stays plain
+            per_layer = [_derived(src["wq"], _layer_sources(src), "pairs",
+                                  lambda layer=layer: {n: interleave_pairs(layer[n]) for n in _PACKED
+                                                       if layer[n].shape[1] % 8 == 0}, plan)
+                         for src, layer in zip(params["layers"], layers, strict=True)]
+            head_src = params.get("lm_head", params["embed"])
+            head_i = (_derived(head_src, [head_src], "pairs", lambda: interleave_pairs(head), plan)
+                      if cfg.hidden_size % 8 == 0 else None)
+            self._keep += [per_layer, head_i]
+            for n in _PACKED:
+                if n in per_layer[0]:
+                    ptrs = _ptrs([p[n] for p in per_layer])
+                    self._keep.append(ptrs)
+                    setattr(self._model, f"{n}_i", ptrs)
+            self._model.lm_head_i = _ptr(head_i)
         self.packed = packs(lib, m)
         self.few_rows = m <= self._model.small_rows  # every product in the few-row GEMM
         self._logits_ptr = _ptr(self.logits)

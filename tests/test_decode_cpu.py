@@ -318,3 +318,42 @@ def test_kernel_sampler_is_the_float64_inverse_cdf():
     assert torch.allclose(lp.double(), torch.log(p.gather(-1, ref[:, None])[:, 0]), atol=1e-5)
     greedy, _ = decode_cpu.sample_rows(logits, None, 1.0)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_interleave_pairs_puts_two_rows_side_by_side_in_chunks_of_8():
+    """Hand-checked layout: rows 2i, 2i+1 as [k/8][2][8]; an odd last row plainly at the end."""
+    w = torch.arange(5 * 16, dtype=torch.float32).reshape(5, 16)
+    got = decode_cpu.interleave_pairs(w)
+    r = [w[i].tolist() for i in range(5)]
+    want = (r[0][:8] + r[1][:8] + r[0][8:] + r[1][8:]) + (r[2][:8] + r[3][:8] + r[2][8:] + r[3][8:]) + r[4]
+    assert got.tolist() == want
+    with pytest.raises(ValueError, match="multiple of 8"):
+        decode_cpu.interleave_pairs(torch.zeros(4, 12))
+
+
+@needs_kernel
+def test_weight_pairs_give_the_plain_layouts_logits_bit_for_bit(hf_models, monkeypatch):
+    """The few-row GEMM on the paired copies (interleave_pairs) sums each output in the plain GEMM's order:
+    at every row count it takes (1-8, one-token and 4-token steps) the logits are bitwise those of
+    MILES_FN_DECODE_PAIRS=0. The tiny model's shapes cover an odd row count (61-token vocabulary) and row
+    lengths that are not a multiple of the accumulators' stride (64 and 96 columns at 3 and 8 chains)."""
+    _, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    lib, _ = decode_cpu._library()
+    cos, sin = ops.rope_tables(torch.arange(8)[None].expand(8, 8), cfg.dim_head, cfg.rope_theta)
+
+    def logits(rows, block):
+        cache = model.new_kv_cache(cfg, rows, 12)
+        valid = torch.ones(rows, 12, dtype=torch.bool)
+        valid[:, 8:] = False  # the steps' columns are written before they are read
+        plan = decode_cpu.DecodePlan(params, cfg, cache, valid, cos[:rows, 0], sin[:rows, 0], block=block)
+        assert plan.few_rows and bool(plan._model.lm_head_i) is decode_cpu.pairs_on(lib)
+        tok = torch.randint(0, cfg.vocab_size, (rows, block), generator=torch.Generator().manual_seed(rows))
+        valid[:, 8 : 8 + block] = True
+        return plan.block_step(tok, torch.zeros(rows, dtype=torch.int64), 8).clone()
+
+    cases = [(r, 1) for r in range(1, 9)] + [(1, 4), (2, 4)]
+    paired = {c: logits(*c) for c in cases}
+    monkeypatch.setenv("MILES_FN_DECODE_PAIRS", "0")
+    for c in cases:
+        assert torch.equal(paired[c], logits(*c)), c

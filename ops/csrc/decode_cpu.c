@@ -47,6 +47,9 @@ typedef struct {
     const float **wqkv_p, **wo_p, **wgu_p, **w_down_p;
     int64_t block;                       /* T: tokens per row a step carries (scratch and packing are for B*T rows) */
     int64_t small_rows;                  /* products of up to this many rows (<= SMALL_ROWS) take gemm_few_rows */
+    /* the matrices in pairs of rows (interleave_pairs), or NULL: gemm_few_rows then reads the plain ones */
+    const float *lm_head_i;
+    const float **wqkv_i, **wo_i, **wgu_i, **w_down_i;
 } Model;
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
@@ -136,28 +139,97 @@ static inline __attribute__((always_inline)) void gemm_small(const float *x, int
     }
 }
 
-static void gemm_few_rows(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows,
-                          int64_t n, int64_t k, int accumulate) {
-    switch (rows) {  /* constant R and KK: the compiler keeps the accumulators in registers */
-        case 1: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 1, 8); break;
-        case 2: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 2, 4); break;
-        case 3: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 3, 3); break;
-        case 4: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 4, 2); break;
-        case 5: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 5, 2); break;
-        case 6: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 6, 1); break;
-        case 7: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 7, 1); break;
-        default: gemm_small(x, ldx, w, y, ldy, n, k, accumulate, 8, 1); break;
+/* The 4 sums of A..D's lanes, each in hsum's order: hadd's pairs, then pairs of pairs, then the two halves. */
+static inline void hsum4(v8 A, v8 B, v8 C, v8 D, float *s) {
+#if defined(__AVX2__)
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)A, (__m256)B), _mm256_hadd_ps((__m256)C, (__m256)D));
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+    s[0] = hsum(A), s[1] = hsum(B), s[2] = hsum(C), s[3] = hsum(D);
+#endif
+}
+
+/* gemm_small over w in pairs of rows (interleave_pairs: rows 2i and 2i+1 as [k/8][2][8]), k a multiple of
+ * 8. Two weight rows a pass halve the loads of x per FMA, and the pairs make the weights one sequential
+ * stream (two rows read side by side from the plain layout ran at half the speed here). From 2 rows of x
+ * the compute no longer hides the stream, so it is prefetched 2 KiB ahead. Each output's order is
+ * gemm_small's: its KK accumulators, then hsum (hsum4 sums 4 outputs at once in that order), so the
+ * results are bitwise those of gemm_small on the plain w. An odd last row is stored plainly at the end. */
+#define PREFETCH_AHEAD 2048
+static inline __attribute__((always_inline)) void gemm_pairs(const float *x, int64_t ldx, const float *wi, float *y,
+                                                             int64_t ldy, int64_t n, int64_t k, int accumulate,
+                                                             const int R, const int KK) {
+    const int64_t n2 = n & ~(int64_t)1, kb = k - k % (8 * KK);
+    for (int64_t j = 0; j < n2; j += 2) {
+        const float *wp = wi + j * k;
+        v8 a[SMALL_ROWS][2][8];
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 2; q++)
+                for (int u = 0; u < KK; u++) a[r][q][u] = splat(0.0f);
+        for (int64_t c = 0; c < kb; c += 8 * KK) {
+            if (R > 2)
+                for (int p = 0; p < 2 * KK * 32; p += 64)
+                    __builtin_prefetch((const char *)(wp + 2 * c) + p + PREFETCH_AHEAD, 0, 0);
+            for (int u = 0; u < KK; u++) {
+                const v8 w0 = load8(wp + 2 * (c + 8 * u)), w1 = load8(wp + 2 * (c + 8 * u) + 8);
+                for (int r = 0; r < R; r++) {
+                    const v8 xv = load8(x + r * ldx + c + 8 * u);
+                    a[r][0][u] = fma8(w0, xv, a[r][0][u]);
+                    a[r][1][u] = fma8(w1, xv, a[r][1][u]);
+                }
+            }
+        }
+        for (int64_t c = kb; c < k; c += 8) {  /* as gemm_small: the chunks past kb into the first accumulator */
+            const v8 w0 = load8(wp + 2 * c), w1 = load8(wp + 2 * c + 8);
+            for (int r = 0; r < R; r++) {
+                const v8 xv = load8(x + r * ldx + c);
+                a[r][0][0] = fma8(w0, xv, a[r][0][0]);
+                a[r][1][0] = fma8(w1, xv, a[r][1][0]);
+            }
+        }
+        v8 t[2 * SMALL_ROWS];
+        for (int o = 0; o < 2 * R; o++) {
+            t[o] = a[o / 2][o % 2][0];
+            for (int u = 1; u < KK; u++) t[o] += a[o / 2][o % 2][u];
+        }
+        float s[2 * SMALL_ROWS];
+        int o = 0;
+        for (; o + 4 <= 2 * R; o += 4) hsum4(t[o], t[o + 1], t[o + 2], t[o + 3], s + o);
+        for (; o < 2 * R; o++) s[o] = hsum(t[o]);
+        for (o = 0; o < 2 * R; o++) {
+            float *out = y + (o / 2) * ldy + j + o % 2;
+            *out = accumulate ? *out + s[o] : s[o];
+        }
     }
+    if (n2 < n) gemm_small(x, ldx, wi + n2 * k, y + n2, ldy, 1, k, accumulate, R, KK);
+}
+
+/* Up to SMALL_ROWS rows: gemm_pairs on w's pairs when given (wi), else gemm_small on the plain w. */
+static void gemm_few_rows(const float *x, int64_t ldx, const float *w, const float *wi, float *y, int64_t ldy,
+                          int64_t rows, int64_t n, int64_t k, int accumulate) {
+#define FEW(R, KK) (wi ? gemm_pairs(x, ldx, wi, y, ldy, n, k, accumulate, R, KK) \
+                       : gemm_small(x, ldx, w, y, ldy, n, k, accumulate, R, KK))
+    switch (rows) {  /* constant R and KK: the compiler keeps the accumulators in registers */
+        case 1: FEW(1, 8); break;
+        case 2: FEW(2, 4); break;
+        case 3: FEW(3, 3); break;
+        case 4: FEW(4, 2); break;
+        case 5: FEW(5, 2); break;
+        case 6: FEW(6, 1); break;
+        case 7: FEW(7, 1); break;
+        default: FEW(8, 1); break;
+    }
+#undef FEW
 }
 
 /* y[rows, n] (row stride ldy) = x[rows, k] (row stride ldx) w[n, k]^T (+ y when accumulate): gemm_few_rows up to
  * `small` (<= SMALL_ROWS) rows, else the transposed column-major GEMM, or MKL's compute on `packed` (w packed by mf_pack
  * for these rows) when given. */
-static void linear(const float *x, int64_t ldx, const float *w, const float *packed, float *y, int64_t rows,
-                   int64_t n, int64_t k, int64_t ldy, int accumulate, int64_t small) {
+static void linear(const float *x, int64_t ldx, const float *w, const float *wi, const float *packed, float *y,
+                   int64_t rows, int64_t n, int64_t k, int64_t ldy, int accumulate, int64_t small) {
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     if (rows <= small && rows <= SMALL_ROWS) {
-        gemm_few_rows(x, ldx, w, y, ldy, rows, n, k, accumulate);
+        gemm_few_rows(x, ldx, w, wi, y, ldy, rows, n, k, accumulate);
         return;
     }
     if (packed) {
@@ -320,7 +392,8 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
     for (int64_t i = 0; i < M; i++) memcpy(m->x + i * H, m->embed + tokens[i] * H, (size_t)H * sizeof(float));
     for (int64_t l = 0; l < m->layers; l++) {
         rms_norm(m->x, m->attn_norm[l], m->h, M, H, m->eps);
-        linear(m->h, H, m->wqkv[l], full && m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv, M, ld, H, ld, 0, m->small_rows);
+        linear(m->h, H, m->wqkv[l], m->wqkv_i ? m->wqkv_i[l] : NULL, full && m->wqkv_p ? m->wqkv_p[l] : NULL, m->qkv,
+               M, ld, H, ld, 0, m->small_rows);
         for (int64_t i = 0; i < M; i++) {
             const int64_t ri = i / T, j = i % T, r = rows ? rows[ri] : ri;
             const int64_t e = r * m->n_new + (t0 ? t0[ri] : t) + j;
@@ -336,17 +409,18 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
         }
         attend(m, l, col, rows, n_rows);
         /* x += attention output */
-        linear(m->att, nq, m->wo[l], full && m->wo_p ? m->wo_p[l] : NULL, m->x, M, H, nq, H, 1, m->small_rows);
+        linear(m->att, nq, m->wo[l], m->wo_i ? m->wo_i[l] : NULL, full && m->wo_p ? m->wo_p[l] : NULL, m->x, M, H,
+               nq, H, 1, m->small_rows);
         rms_norm(m->x, m->mlp_norm[l], m->h, M, H, m->eps);
-        linear(m->h, H, m->wgu[l], full && m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0,
+        linear(m->h, H, m->wgu[l], m->wgu_i ? m->wgu_i[l] : NULL, full && m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0,
                m->small_rows);
         swiglu(m->gu, M, I);
         /* x += MLP output: the gate halves of gu are the [M, I] input at row stride 2I */
-        linear(m->gu, 2 * I, m->w_down[l], full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
+        linear(m->gu, 2 * I, m->w_down[l], m->w_down_i ? m->w_down_i[l] : NULL, full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
                m->small_rows);
     }
     rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
-    linear(m->h, H, m->lm_head, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
+    linear(m->h, H, m->lm_head, m->lm_head_i, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
     return 0;
 }
 
