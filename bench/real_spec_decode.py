@@ -120,16 +120,16 @@ def job_metrics(out_dir: str) -> list[dict[str, Any]]:
 
 
 def make_contenders(target: Any, cfg: Any, drafts: dict[str, Any], dcfg: Any, groups: list[list[list[int]]],
-                    key: prng.Key, sampling: SamplingConfig, k: int) -> dict[str, Any]:
+                    key: prng.Key, sampling: SamplingConfig) -> dict[str, Any]:
     """Plain decoding as the job runs it, and speculation with each draft (name -> (params,
-    disable_by_batch_size)), each over every group of prompts in turn (a group is one call):
+    disable_by_batch_size, k)), each over every group of prompts in turn (a group is one call):
     name -> () -> (token lists, tokens per verify or None)."""
 
     def plain() -> tuple[list[list[int]], None]:
         return [t for i, g in enumerate(groups)
                 for t in generate(target, cfg, g, prng.fold_in(key, i), sampling, ops_cfg=JOB_OPS).tokens], None
 
-    def spec(d: Any, disable: int) -> tuple[list[list[int]], float]:
+    def spec(d: Any, disable: int, k: int) -> tuple[list[list[int]], float]:
         toks, verifies, emitted = [], 0, 0
         for i, g in enumerate(groups):
             gen, st = generate_speculative(target, cfg, d, dcfg, g, prng.fold_in(key, i), sampling, k,
@@ -159,25 +159,31 @@ def time_cell(contenders: dict[str, Any], repeats: int) -> dict[str, Any]:
 
 
 def cell(target: Any, cfg: Any, drafts: dict[str, Any], dcfg: Any, groups: list[list[list[int]]], key: prng.Key,
-         sampling: SamplingConfig, k: int, repeats: int) -> dict[str, Any]:
+         sampling: SamplingConfig, repeats: int) -> dict[str, Any]:
     """One (policy, batch) cell: the whole calls; the prefill (a call that samples one token: what decoding
     adds to is the rest); and, for one group of several rows, the tail after the first row finishes."""
-    full = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, sampling, k), repeats)
+    full = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, sampling), repeats)
     one = dataclasses.replace(sampling, max_new_tokens=1)
-    full["prefill"] = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, one, k), repeats)["seconds"]
+    full["prefill"] = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, one), repeats)["seconds"]
     first = min(full["lengths"])
     full["tail"] = {}
     if len(groups) == 1 and first < max(full["lengths"]):  # the same prefix, cut where the first row stops
         cut = dataclasses.replace(sampling, max_new_tokens=first)
-        head = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, cut, k), repeats)["seconds"]
+        head = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, cut), repeats)["seconds"]
         full["tail"] = {n: max(0.0, full["seconds"][n] - head[n]) for n in full["seconds"]}
     return full
+
+
+def _ints(csv: str) -> list[int]:
+    return [int(x) for x in csv.split(",") if x.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = common.parse_args("real_spec_decode", __doc__.splitlines()[0], argv, lambda p: (
         p.add_argument("--batches", default="1,8,32", help="comma-separated rollout batch sizes"),
         p.add_argument("--k", type=int, default=3, help="--speculative_num_steps"),
+        p.add_argument("--other_k", default="1,2", help="comma-separated: the online draft's extra contenders late "
+                       "in the run, at these draft lengths (the job's draft, trained as the job trains it)"),
         p.add_argument("--repeats", type=int, default=3),
         p.add_argument("--new_tokens", type=int, default=24, help="the job's --max_new_tokens"),
         p.add_argument("--draft_hidden", type=int, default=128),
@@ -185,17 +191,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.add_argument("--distill_steps", type=int, default=30, help="AdamW steps per 32 distillation prompts"),
         p.add_argument("--draft_steps", type=int, default=4, help="the job's --draft_train_steps"),
         p.add_argument("--draft_lr", type=float, default=1e-3),
-        p.add_argument("--rl_steps", type=int, default=10),
+        p.add_argument("--rl_steps", type=int, default=30, help="GRPO steps of the job (the flagfile's 30)"),
         p.add_argument("--plain_past", type=int, default=2, help="the online draft's extra contender at larger "
                        "batches: --speculative_disable_by_batch_size"),
         p.add_argument("--train_threads", type=int, default=2, help="threads for the untimed phases"),
         p.add_argument("--work_dir", default="/tmp/miles_fn_real_spec"),
         p.add_argument("--model_cache_dir", default=gguf_import.DEFAULT_CACHE_DIR)))
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = _ints(args.batches)
     repeats, n_prompts, steps = args.repeats, args.distill_prompts, args.distill_steps
     if args.quick:
         batches, repeats, n_prompts, steps, args.rl_steps, args.new_tokens = [1, 2], 1, 4, 2, 1, 4
-        args.plain_past = 1  # so that batch 2 runs the contender
+        args.plain_past, args.other_k = 1, "1"  # so that batch 2 runs the contender; one other draft length
     torch.set_num_threads(args.train_threads)
     t_setup = time.perf_counter()
     path = gguf_import.resolve_checkpoint(NAME, args.model_cache_dir)
@@ -226,8 +232,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     job_s = time.perf_counter() - t_job
     state = checkpoint.load(checkpoint.latest(os.path.join(out_dir, "checkpoints"))).tree["state"]
     late, online = state.inner.params, state.draft.params
-    drafts = {"early": {"frozen draft": (frozen_params, 0)},
-              "late": {"frozen draft": (frozen_params, 0), "online draft": (online, 0)}}
+    k = args.k
+    drafts = {"early": {"frozen draft": (frozen_params, 0, k)},
+              "late": {"frozen draft": (frozen_params, 0, k), "online draft": (online, 0, k),
+                       **{f"online, k={j}": (online, 0, j) for j in _ints(args.other_k) if j != k}}}
     per_step = job_metrics(out_dir)
     torch.set_num_threads(args.threads)
 
@@ -238,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             groups = [[p] for p in prompts_all[: 2 if args.quick else 8]] if b == 1 else [prompts_all[:b]]
             cands = dict(drafts[phase])
             if phase == "late" and b > args.plain_past:
-                cands[f"online, plain past {args.plain_past} rows"] = (online, args.plain_past)
-            c = cell(target, cfg, cands, dcfg, groups, prng.fold_in(root, 100 + b), sampling, args.k, repeats)
+                cands[f"online, plain past {args.plain_past} rows"] = (online, args.plain_past, k)
+            c = cell(target, cfg, cands, dcfg, groups, prng.fold_in(root, 100 + b), sampling, repeats)
             if not c["identical"]:
                 raise AssertionError(f"speculative tokens differ from plain decoding ({phase}, batch {b})")
             base, tail = c["seconds"]["no draft"], c["tail"]

@@ -296,7 +296,8 @@ def generate_speculative_rows(
         # On the kernel only the live rows are computed (finished rows cost nothing): li, None when all are live.
         li = None if bool(live.all()) else torch.nonzero(live).squeeze(1)
         if kd is not None:  # prev's own column is masked when invalid: its output is unused either way
-            dl = kd[0].block_step(_take(torch.stack([prev, pending], 1), li), _take(n - 1, li), col, li)
+            dl = kd[0].block_step(_take(torch.stack([prev, pending], 1), li), _take(n - 1, li), col, li,
+                                  head=bool(kr))  # a plain step only caches the tokens: no output layer
             drafts = [_greedy(dl[:, -1], sampling)] if kr else []
             for j in range(1, kr):
                 drafts.append(_greedy(kd[1].block_step(drafts[-1][:, None], _take(n + j, li), col + j + 1, li)[:, -1],

@@ -420,13 +420,14 @@ class DecodePlan:
                              f"({self._model.n_new} steps, {self._model.max_len} columns)")
         return self.logits
 
-    def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+    def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int, rows: torch.Tensor | None = None,
+                   head: bool = True) -> torch.Tensor | None:
         """Logits [R, T, V] for tokens [R, T] (T = block) of the plan's rows `rows` (int64 [R], distinct;
         None: all B, in order): row rows[i]'s token j goes to its cache column col + j at its rope entry
         t0[i] + j and attends the columns 0..col + j that key_valid allows (mark the block's columns valid
         first for a causal block). Rows left out are not computed and their caches are not touched: the
-        rows that have finished cost nothing. The plan's buffer, overwritten by the next step."""
+        rows that have finished cost nothing. The plan's buffer, overwritten by the next step. head=False
+        fills the caches only and returns None: the output layer (SmolLM2's 49k rows) is skipped."""
         b, blk = self._model.rows, self._model.block
         n = b if rows is None else int(rows.shape[0])
         tokens = tokens.to(torch.int64).contiguous()
@@ -440,13 +441,14 @@ class DecodePlan:
             if rows.dim() != 1 or (n and (int(rows.min()) < 0 or int(rows.max()) >= b)) or rows.unique().numel() != n:
                 raise ValueError(f"block step: rows must be distinct indices in [0, {b}), got {rows.tolist()}")
             rp = _i64(rows)
-        rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col, self._logits_ptr, rp, n)
+        rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col,
+                                     self._logits_ptr if head else None, rp, n)
         if rc == 2:
             raise ValueError(f"block step: a token id is outside the vocabulary [0, {self._model.vocab})")
         if rc != 0:
             raise ValueError(f"block step at cache column {col}, rope entries {t0.tolist()} + {blk} lies outside the "
                              f"plan ({self._model.n_new} entries, {self._model.max_len} columns)")
-        return self.logits[: n * blk].view(n, blk, -1)
+        return self.logits[: n * blk].view(n, blk, -1) if head else None
 
     def generate(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
                  stop_token_ids: tuple[int, ...], first_col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -357,3 +357,23 @@ def test_weight_pairs_give_the_plain_layouts_logits_bit_for_bit(hf_models, monke
     monkeypatch.setenv("MILES_FN_DECODE_PAIRS", "0")
     for c in cases:
         assert torch.equal(paired[c], logits(*c)), c
+
+
+@needs_kernel
+def test_a_block_step_without_its_head_writes_the_same_caches(hf_models):
+    """head=False (a draft's plain step) skips the output layer: it returns None and leaves every cache as a
+    step with logits does, bit for bit."""
+    _, path = hf_models[("llama", True)]
+    cfg, params = hf.load_hf(path)
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(3, 4), cfg.dim_head, cfg.rope_theta)
+    tok = torch.tensor([[5, 6], [7, 8], [9, 10]])
+    caches = []
+    for head in (True, False):
+        cache = model.new_kv_cache(cfg, 3, 6)
+        valid = torch.ones(3, 6, dtype=torch.bool)
+        plan = decode_cpu.DecodePlan(params, cfg, cache, valid, cos[:, 0], sin[:, 0], block=2)
+        out = plan.block_step(tok, torch.zeros(3, dtype=torch.int64), 2, head=head)
+        assert (out is None) is (not head)
+        caches.append(cache)
+    assert caches[0][0][0][:, :, 2:4].abs().sum() > 0
+    assert all(torch.equal(a, b) for kv0, kv1 in zip(*caches, strict=True) for a, b in zip(kv0, kv1, strict=True))

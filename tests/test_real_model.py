@@ -190,7 +190,7 @@ def test_real_rl_step_bench_runs(converted, tmp_path, with_trl):
 def test_speculation_on_the_real_model_bench_runs(converted, tmp_path):
     """bench.real_spec_decode's --quick run on SmolLM2-135M: a draft distilled on the model's rollouts, the
     job with speculation and online draft training (one tiny step), and every timed cell's speculative tokens
-    equal to plain decoding's (the bench raises otherwise), early and late, at batch 1 and 2."""
+    equal to plain decoding's (the bench raises otherwise), early and late, at batch 1 and 2, and at k=1 too."""
     from bench import real_spec_decode
 
     cache, _ = converted
@@ -198,5 +198,6 @@ def test_speculation_on_the_real_model_bench_runs(converted, tmp_path):
                                  f"--model_cache_dir={cache}"])
     cells = {(r["phase"], r["batch"], r["contender"]) for r in out["results"]}
     assert ("late", 2, "online draft") in cells and ("early", 1, "frozen draft") in cells
+    assert ("late", 1, "online, k=1") in cells  # another draft length, the same tokens
     assert all(r["identical_tokens"] for r in out["results"])
     assert [r["step"] for r in out["job_per_step"]] == [1] and out["job_per_step"][0]["spec_accept_length"] >= 1.0

@@ -419,6 +419,7 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
         linear(m->gu, 2 * I, m->w_down[l], m->w_down_i ? m->w_down_i[l] : NULL, full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
                m->small_rows);
     }
+    if (!logits) return 0;  /* the caches only (a draft's plain step: its proposal is unused) */
     rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
     linear(m->h, H, m->lm_head, m->lm_head_i, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
     return 0;
@@ -431,7 +432,8 @@ int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col
 }
 
 /* A block step (tokens [n_rows, block] of the plan's rows `rows`, NULL: all B; computed row i's first token at
- * rope entry t0[i]), e.g. a speculative verify forward over the rows still decoding. Logits [n_rows*block, V]. */
+ * rope entry t0[i]), e.g. a speculative verify forward over the rows still decoding. Logits [n_rows*block, V],
+ * or none (logits NULL): the tokens' keys and values only. */
 int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits,
                   const int64_t *rows, int64_t n_rows) {
     return forward(m, tokens, t0, 0, col, logits, rows, rows ? n_rows : m->rows);
