@@ -92,8 +92,10 @@ def test_two_rank_steps_equal_one_process_to_float32_rounding(two_ranks):
     for res in two_ranks:
         assert res["sharded"]
         for x, y in zip(tree_leaves(res["params"]), tree_leaves(state.params), strict=True):
-            # Adam divides by sqrt(nu): float32 rounding of a near-zero gradient moves a weight by ~lr * 1e-4
-            assert float((x - y).abs().max()) <= 1e-4 * OPT.lr + 1e-5 * float(y.abs().max())
+            # Adam divides by sqrt(nu): float32 rounding of a near-zero gradient moves a weight by a share of lr
+            # (measured: up to 1e-4 lr on an Intel Xeon, 2.1e-4 lr on an AMD EPYC, whose BLAS sums differently).
+            # A wrong shard or reduction moves weights by O(lr), and the metrics below are held to 1e-5.
+            assert float((x - y).abs().max()) <= 1e-3 * OPT.lr + 1e-5 * float(y.abs().max())
         for mr, m in zip(res["metrics"], ms, strict=True):
             for k, v in m.items():
                 assert float(mr[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-6), k

@@ -75,10 +75,10 @@ def test_on_the_c_kernel_the_same_tokens_as_plain_decoding_on_it(models, monkeyp
     blocks, computed = [], []
     real = decode_cpu.DecodePlan.block_step
 
-    def counted(self, tokens, t0, col, rows=None):
+    def counted(self, tokens, t0, col, rows=None, head=True):
         blocks.append((self._model.hidden, tokens.shape[1]))
         computed.append(tokens.shape[0])
-        return real(self, tokens, t0, col, rows)
+        return real(self, tokens, t0, col, rows, head)
 
     monkeypatch.setattr(decode_cpu.DecodePlan, "block_step", counted)
     target, drafts = models

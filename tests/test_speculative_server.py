@@ -157,6 +157,22 @@ def test_the_client_refuses_a_stale_draft_or_a_malformed_count():
             sglang_api.parse_generate_reply(broken, 1, "X")
 
 
+def test_a_given_server_must_speculate_as_the_run_does():
+    """--rollout_url: /get_model_info must report STANDALONE, the run's k and its plain-step threshold; each
+    mismatch is refused with the flag that fixes it. The info dict is what RolloutServer.model_info returns."""
+    from launch.engines import check_server_draft
+
+    draft = SpecDraft(DCFG, None, 0, 3, 2)
+    good = {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3, "speculative_disable_by_batch_size": 2}
+    check_server_draft(good, draft, "http://x")
+    check_server_draft({}, None, "http://x")  # no draft: anything goes
+    for field, value, msg in (("speculative_algorithm", None, "--speculative-num-steps 3"),
+                              ("speculative_num_steps", 2, "speculative_num_steps=2"),
+                              ("speculative_disable_by_batch_size", 0, "--speculative-disable-by-batch-size 2")):
+        with pytest.raises(EngineError, match=msg):
+            check_server_draft({**good, field: value}, draft, "http://x")
+
+
 def _main(out, *args):
     flags = ["--sft_warmup_steps=2", "--eval_every=2", "--eval_size=8", "--prompts_per_step=4", "--group_size=2",
              "--hidden_size=32", "--intermediate_size=48", "--kl_coef=0.5", "--num_threads=1", "--noprogress",

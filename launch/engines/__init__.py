@@ -101,7 +101,8 @@ def check_server_ops(info: dict[str, Any], ops_cfg: ops.OpsConfig, url: str) -> 
 
 
 def check_server_draft(info: dict[str, Any], draft: SpecDraft | None, url: str) -> None:
-    """Refuse a server that does not speculate with the run's k when the run has a draft."""
+    """Refuse a server that does not speculate as the run does (k and the plain-step threshold) when the run has
+    a draft: its tokens would still be plain decoding's, but not its speed or its spec_* metrics."""
     if draft is None:
         return
     if info.get("speculative_algorithm") != "STANDALONE" or info.get("speculative_num_steps") != draft.num_steps:
@@ -111,6 +112,13 @@ def check_server_draft(info: dict[str, Any], draft: SpecDraft | None, url: str) 
             f"{info.get('speculative_algorithm')}, speculative_num_steps={info.get('speculative_num_steps')}; start it "
             f"with python -m launch.rollout_server --speculative-algorithm STANDALONE --speculative-draft-model-path "
             f"DIR --speculative-num-steps {draft.num_steps} (the run sends its draft's weights)")
+    served = info.get("speculative_disable_by_batch_size", 0)
+    if served != draft.disable_by_batch_size:
+        raise EngineError(
+            f"--rollout_url={url}: the run has --speculative_disable_by_batch_size={draft.disable_by_batch_size}, but "
+            f"the server decodes plainly past {served} live rows (0: never); restart it with "
+            f"--speculative-disable-by-batch-size {draft.disable_by_batch_size}, or run with "
+            f"--speculative_disable_by_batch_size={served}")
 
 
 def draft_args(draft: SpecDraft | None, root: str) -> list[str]:
