@@ -265,15 +265,15 @@ def interleave_pairs(w: torch.Tensor) -> torch.Tensor:
     of 8 ([n // 2, k // 8, 2, 8]), an odd last row plainly at the end; flat.
 
     Two weight rows a pass halve the few-row GEMM's loads of its input, and this order keeps the weights
-    one sequential stream: the 4-row product of a 4-token verify on SmolLM2-135M went from 1.4x to about
-    1.3x a 1-row one (bench.real_spec_decode).
+    one sequential stream: on SmolLM2-135M a 4-token verify at batch 1 went from 2.0x to 1.6x a 1-row step
+    (37.2 -> 26.9 ms; docs/speculative-decoding.md).
     """
     n, k = w.shape
     if k % 8:
         raise ValueError(f"interleave_pairs: the row length must be a multiple of 8, got {k}")
     n2 = n - n % 2
     body = w[:n2].reshape(n2 // 2, 2, k // 8, 8).transpose(1, 2).reshape(-1)
-    return torch.cat([body, w[n2:].reshape(-1)]) if n2 < n else body.contiguous()
+    return torch.cat([body, w[n2:].reshape(-1)]) if n2 < n else body  # reshape of the transpose: a copy
 
 
 def pairs_on(lib: ctypes.CDLL) -> bool:
@@ -343,7 +343,8 @@ class DecodePlan:
         d, nq, nkv = cfg.dim_head, cfg.num_heads * cfg.dim_head, cfg.num_kv_heads * cfg.dim_head
         plan = _next_plan()
         layers = [stacked_layer(layer, plan) for layer in params["layers"]]
-        head = params.get("lm_head", params["embed"]).contiguous()
+        head_src = params.get("lm_head", params["embed"])  # what the head's derived copies are memoised under
+        head = head_src.contiguous()
         self._keep: list[Any] = [layers, head, params["embed"].contiguous(), params["final_norm"].contiguous()]
         self.key_valid = key_valid.to(torch.uint8).contiguous()
         self.cos, self.sin = cos.contiguous(), sin.contiguous()  # [B, n_new, D]
@@ -370,7 +371,6 @@ class DecodePlan:
                                   lambda layer=layer: {n: _pack(lib, layer[n], m) for n in _PACKED}, plan)
                          for src, layer in zip(params["layers"], layers, strict=True)]
             packed = {n: [p[n] for p in per_layer] for n in _PACKED}
-            head_src = params.get("lm_head", params["embed"])
             head_p = _derived(head_src, [head_src], m, functools.partial(_pack, lib, head, m), plan)
             self._keep += [packed, head_p]
             parrays = {f"{n}_p": _ptrs(ts) for n, ts in packed.items()}
@@ -383,7 +383,6 @@ class DecodePlan:
                                   lambda layer=layer: {n: interleave_pairs(layer[n]) for n in _PACKED
                                                        if layer[n].shape[1] % 8 == 0}, plan)
                          for src, layer in zip(params["layers"], layers, strict=True)]
-            head_src = params.get("lm_head", params["embed"])
             head_i = (_derived(head_src, [head_src], "pairs", lambda: interleave_pairs(head), plan)
                       if cfg.hidden_size % 8 == 0 else None)
             self._keep += [per_layer, head_i]

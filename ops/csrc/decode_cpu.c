@@ -151,8 +151,8 @@ static inline void hsum4(v8 A, v8 B, v8 C, v8 D, float *s) {
 
 /* gemm_small over w in pairs of rows (interleave_pairs: rows 2i and 2i+1 as [k/8][2][8]), k a multiple of
  * 8. Two weight rows a pass halve the loads of x per FMA, and the pairs make the weights one sequential
- * stream (two rows read side by side from the plain layout ran at half the speed here). From 2 rows of x
- * the compute no longer hides the stream, so it is prefetched 2 KiB ahead. Each output's order is
+ * stream (two rows read side by side from the plain layout ran at half the speed here). From 3 rows of x
+ * the compute no longer hides the stream, so it is prefetched 2 KiB ahead (at 2 rows it cost more than it gave). Each output's order is
  * gemm_small's: its KK accumulators, then hsum (hsum4 sums 4 outputs at once in that order), so the
  * results are bitwise those of gemm_small on the plain w. An odd last row is stored plainly at the end. */
 #define PREFETCH_AHEAD 2048
@@ -412,16 +412,17 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
         linear(m->att, nq, m->wo[l], m->wo_i ? m->wo_i[l] : NULL, full && m->wo_p ? m->wo_p[l] : NULL, m->x, M, H,
                nq, H, 1, m->small_rows);
         rms_norm(m->x, m->mlp_norm[l], m->h, M, H, m->eps);
-        linear(m->h, H, m->wgu[l], m->wgu_i ? m->wgu_i[l] : NULL, full && m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M, 2 * I, H, 2 * I, 0,
-               m->small_rows);
+        linear(m->h, H, m->wgu[l], m->wgu_i ? m->wgu_i[l] : NULL, full && m->wgu_p ? m->wgu_p[l] : NULL, m->gu, M,
+               2 * I, H, 2 * I, 0, m->small_rows);
         swiglu(m->gu, M, I);
         /* x += MLP output: the gate halves of gu are the [M, I] input at row stride 2I */
-        linear(m->gu, 2 * I, m->w_down[l], m->w_down_i ? m->w_down_i[l] : NULL, full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1,
-               m->small_rows);
+        linear(m->gu, 2 * I, m->w_down[l], m->w_down_i ? m->w_down_i[l] : NULL,
+               full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1, m->small_rows);
     }
     if (!logits) return 0;  /* the caches only (a draft's plain step: its proposal is unused) */
     rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
-    linear(m->h, H, m->lm_head, m->lm_head_i, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0, m->small_rows);
+    linear(m->h, H, m->lm_head, m->lm_head_i, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0,
+           m->small_rows);
     return 0;
 }
 
