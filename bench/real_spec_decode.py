@@ -37,6 +37,7 @@ from launch import data as launch_data
 from miles_fn import draft, model, prng, train
 from miles_fn.generate import generate
 from miles_fn.optim import OptimConfig
+from miles_fn.prefix_cache import PrefixCache
 from miles_fn.rollout_buffer import build_rollout_buffer
 from miles_fn.sampling import SamplingConfig
 from miles_fn.speculative import generate_speculative
@@ -78,7 +79,7 @@ def run_job(out_dir: str, draft_dir: str, args: Any) -> None:
            f"--model_cache_dir={args.model_cache_dir}", "--speculative_algorithm=STANDALONE",
            f"--speculative_num_steps={args.k}", f"--draft_checkpoint={draft_dir}",
            f"--draft_train_steps={args.draft_steps}", f"--draft_lr={args.draft_lr}",
-           f"--num_threads={args.train_threads}"]
+           f"--num_threads={args.train_threads}", f"--prefix_cache_mb={args.prefix_cache_mb}"]
     if args.quick:  # seconds: a tiny step of the same job
         cmd += ["--prompts_per_step=2", "--group_size=2", f"--max_new_tokens={args.new_tokens}", "--eval_size=2"]
     stamp = os.path.join(out_dir, "bench_cmd.json")
@@ -120,25 +121,29 @@ def job_metrics(out_dir: str) -> list[dict[str, Any]]:
 
 
 def make_contenders(target: Any, cfg: Any, drafts: dict[str, Any], dcfg: Any, groups: list[list[list[int]]],
-                    key: prng.Key, sampling: SamplingConfig) -> dict[str, Any]:
+                    key: prng.Key, sampling: SamplingConfig, prefix_mb: int) -> dict[str, Any]:
     """Plain decoding as the job runs it, and speculation with each draft (name -> (params,
     disable_by_batch_size, k)), each over every group of prompts in turn (a group is one call):
-    name -> () -> (token lists, tokens per verify or None)."""
+    name -> () -> (token lists, tokens per verify or None). Each contender's run starts with an empty
+    prefix cache of prefix_mb MiB, as an engine's calls do after a weight sync; with prefix_mb > 0,
+    "no draft, no prefix cache" runs plain decoding without one."""
 
-    def plain() -> tuple[list[list[int]], None]:
-        return [t for i, g in enumerate(groups)
-                for t in generate(target, cfg, g, prng.fold_in(key, i), sampling, ops_cfg=JOB_OPS).tokens], None
+    def plain(mb: int) -> tuple[list[list[int]], None]:
+        pc = PrefixCache(mb << 20)
+        return [t for i, g in enumerate(groups) for t in generate(target, cfg, g, prng.fold_in(key, i), sampling,
+                                                                  ops_cfg=JOB_OPS, prefix_cache=pc).tokens], None
 
     def spec(d: Any, disable: int, k: int) -> tuple[list[list[int]], float]:
-        toks, verifies, emitted = [], 0, 0
+        toks, verifies, emitted, pc = [], 0, 0, PrefixCache(prefix_mb << 20)
         for i, g in enumerate(groups):
             gen, st = generate_speculative(target, cfg, d, dcfg, g, prng.fold_in(key, i), sampling, k,
-                                           ops_cfg=JOB_OPS, disable_by_batch_size=disable)
+                                           ops_cfg=JOB_OPS, disable_by_batch_size=disable, prefix_cache=pc)
             toks += gen.tokens
             verifies, emitted = verifies + st.verifies, emitted + st.emitted
         return toks, emitted / max(verifies, 1)
 
-    return {"no draft": plain, **{name: (lambda d=d: spec(*d)) for name, d in drafts.items()}}
+    off = {"no draft, no prefix cache": lambda: plain(0)} if prefix_mb else {}
+    return {"no draft": lambda: plain(prefix_mb), **off, **{name: (lambda d=d: spec(*d)) for name, d in drafts.items()}}
 
 
 def time_cell(contenders: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -159,17 +164,18 @@ def time_cell(contenders: dict[str, Any], repeats: int) -> dict[str, Any]:
 
 
 def cell(target: Any, cfg: Any, drafts: dict[str, Any], dcfg: Any, groups: list[list[list[int]]], key: prng.Key,
-         sampling: SamplingConfig, repeats: int) -> dict[str, Any]:
+         sampling: SamplingConfig, repeats: int, prefix_mb: int) -> dict[str, Any]:
     """One (policy, batch) cell: the whole calls; the prefill (a call that samples one token: what decoding
     adds to is the rest); and, for one group of several rows, the tail after the first row finishes."""
-    full = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, sampling), repeats)
+    full = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, sampling, prefix_mb), repeats)
     one = dataclasses.replace(sampling, max_new_tokens=1)
-    full["prefill"] = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, one), repeats)["seconds"]
+    full["prefill"] = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, one, prefix_mb),
+                                repeats)["seconds"]
     first = min(full["lengths"])
     full["tail"] = {}
     if len(groups) == 1 and first < max(full["lengths"]):  # the same prefix, cut where the first row stops
         cut = dataclasses.replace(sampling, max_new_tokens=first)
-        head = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, cut), repeats)["seconds"]
+        head = time_cell(make_contenders(target, cfg, drafts, dcfg, groups, key, cut, prefix_mb), repeats)["seconds"]
         full["tail"] = {n: max(0.0, full["seconds"][n] - head[n]) for n in full["seconds"]}
     return full
 
@@ -194,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.add_argument("--rl_steps", type=int, default=30, help="GRPO steps of the job (the flagfile's 30)"),
         p.add_argument("--plain_past", type=int, default=2, help="the online draft's extra contender at larger "
                        "batches: --speculative_disable_by_batch_size"),
+        p.add_argument("--prefix_cache_mb", type=int, default=256, help="the job's --prefix_cache_mb (0 = off)"),
         p.add_argument("--train_threads", type=int, default=2, help="threads for the untimed phases"),
         p.add_argument("--work_dir", default="/tmp/miles_fn_real_spec"),
         p.add_argument("--model_cache_dir", default=gguf_import.DEFAULT_CACHE_DIR)))
@@ -247,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             cands = dict(drafts[phase])
             if phase == "late" and b > args.plain_past:
                 cands[f"online, plain past {args.plain_past} rows"] = (online, args.plain_past, k)
-            c = cell(target, cfg, cands, dcfg, groups, prng.fold_in(root, 100 + b), sampling, repeats)
+            c = cell(target, cfg, cands, dcfg, groups, prng.fold_in(root, 100 + b), sampling, repeats,
+                     args.prefix_cache_mb)
             if not c["identical"]:
                 raise AssertionError(f"speculative tokens differ from plain decoding ({phase}, batch {b})")
             base, tail = c["seconds"]["no draft"], c["tail"]

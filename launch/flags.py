@@ -101,6 +101,9 @@ flags.DEFINE_enum("rollout_backend", "embedded", ["embedded", "http", "sglang"],
                   "Who generates: this process, launch.rollout_server over HTTP, or SGLang.")
 flags.DEFINE_integer("rollout_batch_size", 0, "Requests per engine call (0 = the whole step); results depend on it.",
                      lower_bound=0)
+flags.DEFINE_integer("prefix_cache_mb", 256, "embedded and http backends: MiB of prompt prefixes (turns cut at a "
+                     "stop token) kept across engine calls until the weights change; only speed depends on it "
+                     "(0 = off).", lower_bound=0)
 flags.DEFINE_string("rollout_url", "", "http backend: an already running launch.rollout_server (else one is started).")
 flags.DEFINE_integer("rollout_num_engines", 1, "http backend: rollout servers to start; more than 1 puts the real "
                      "sglang-router in front of them (needs --rollout_batch_size=1).", lower_bound=1)
@@ -647,6 +650,7 @@ def rollout_config_from_flags() -> RolloutConfig:
     return RolloutConfig(
         backend=f.rollout_backend,
         batch_size=f.rollout_batch_size,
+        prefix_cache_mb=f.prefix_cache_mb,
         url=f.rollout_url,
         num_engines=f.rollout_num_engines,
         router_url=f.rollout_router_url,

@@ -30,6 +30,7 @@ from launch.engines import openai_api, sglang_api, weight_group
 from launch.engines.base import Request, SpecDraft
 from launch.engines.embedded import run_chunk
 from miles_fn.config import ModelConfig
+from miles_fn.prefix_cache import PrefixCache
 from miles_fn.speculative import check_draft
 from state import hf
 
@@ -41,8 +42,9 @@ class RolloutState:
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, exit_after: int = 0,
                  group_timeout_s: float = 600.0, group_fault: str = "", ops_cfg: ops.OpsConfig = ops.REFERENCE,
-                 vocab_limit: int = 0):
+                 vocab_limit: int = 0, prefix_cache_mb: int = 0):
         self.cfg, self.params, self.version = cfg, params, version
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20)  # prompt turns across calls: speed only
         self.vocab_limit = vocab_limit  # ids >= this are never sampled (a padded vocabulary's rows); 0 = none
         self.ops_cfg = ops_cfg  # ops.INVARIANT (--enable-deterministic-inference): the trainer's log-probs bit for bit
         self.lock = threading.Lock()
@@ -119,7 +121,7 @@ class RolloutState:
             os._exit(17)  # a crash mid-batch: other calls are in flight, no reply is sent
         reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
         samples = run_chunk(self.params, self.cfg, reqs, sampling, self.version, self.ops_cfg,
-                            None if probe else self.draft)
+                            None if probe else self.draft, self.prefix_cache)
         reply = sglang_api.generate_reply(samples, [len(p) for p in prompts], self.cfg if routes else None)
         for item in reply if self.served_by else ():
             item["meta_info"]["served_by"] = self.served_by
@@ -414,6 +416,7 @@ def make_handler(state: RolloutState, read_timeout_s: float | None = 60.0) -> ty
                 if path == "/update_weights_from_disk":
                     return self._send(200, state.update_from_disk(body))
                 if path == "/flush_cache":
+                    state.prefix_cache.clear()
                     return self._send(200, {"success": True})
                 if path == "/pause_generation":
                     state.running.clear()
@@ -528,6 +531,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per verify forward")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0, help="a decode round with more "
                    "live rows than this is a plain step (the same tokens); 0 = always speculate")
+    p.add_argument("--prefix-cache-mb", type=int, default=256, help="MiB of prompt prefixes (turns cut at a stop "
+                   "token) kept across calls while the weights stay the same: speed only, never the samples")
+    p.add_argument("--disable-radix-cache", action="store_true", help="SGLang's name for --prefix-cache-mb=0")
     p.add_argument("--debug-fail-start", action="store_true", help="tests: exit at once, as a broken server")
     p.add_argument("--debug-group-fault", default="", help="tests: 'unreachable' (dial a dead port to join a "
                    "weight-update group) or 'crash_in_update:N' (die inside the Nth distributed update)")
@@ -544,6 +550,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --listen-backlog={args.listen_backlog}: must be >= 1")
     if not args.read_timeout_s > 0:
         sys.exit(f"error: --read-timeout-s={args.read_timeout_s}: must be > 0 seconds")
+    if args.prefix_cache_mb < 0:
+        sys.exit(f"error: --prefix-cache-mb={args.prefix_cache_mb}: must be >= 0 (0 = off)")
     if args.vocab_limit < 0:
         sys.exit(f"error: --vocab-limit={args.vocab_limit}: must be >= 0 (0 = no limit)")
     if args.watch_parent:
@@ -562,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
     state = RolloutState(cfg, params, version, args.debug_exit_after, args.weight_group_timeout_s,
-                         args.debug_group_fault, ops_cfg, args.vocab_limit)
+                         args.debug_group_fault, ops_cfg, args.vocab_limit,
+                         0 if args.disable_radix_cache else args.prefix_cache_mb)
     try:
         state.draft = load_draft(args, cfg, version)
     except ValueError as e:

@@ -110,7 +110,7 @@ def engine_for(cfg: Any, engine: Any) -> Any:
         return engine
     return SpeculativeEngine(engine.cfg, engine.params, engine.version, engine.batch_size, engine.ops_cfg,
                              draft_config(cfg.speculative, engine.cfg), cfg.speculative.num_steps,
-                             cfg.speculative.disable_by_batch_size)
+                             cfg.speculative.disable_by_batch_size, engine.prefix_cache.max_bytes >> 20)
 
 
 class SpeculativeEngine(EmbeddedEngine):
@@ -121,8 +121,8 @@ class SpeculativeEngine(EmbeddedEngine):
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, version: int, batch_size: int, ops_cfg: ops.OpsConfig,
-                 draft_cfg: ModelConfig, num_steps: int, disable_by_batch_size: int = 0):
-        super().__init__(cfg, params, version, batch_size, ops_cfg)
+                 draft_cfg: ModelConfig, num_steps: int, disable_by_batch_size: int = 0, prefix_cache_mb: int = 0):
+        super().__init__(cfg, params, version, batch_size, ops_cfg, prefix_cache_mb)
         self.draft_cfg, self.num_steps, self.disable_by_batch_size = draft_cfg, num_steps, disable_by_batch_size
         self.draft: SpecDraft | None = None
         self.meter = SpecMeter()
@@ -133,7 +133,8 @@ class SpeculativeEngine(EmbeddedEngine):
     def generate(self, requests: Sequence[Request], sampling: SamplingConfig) -> list[Sample]:
         t0, out = time.perf_counter(), []
         for chunk in chunked(requests, self.batch_size):
-            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version, self.ops_cfg, self.draft))
+            out.extend(run_chunk(self.params, self.cfg, chunk, sampling, self.version, self.ops_cfg, self.draft,
+                                 self.prefix_cache))
         if self.draft is not None:
             self.meter.record(out, time.perf_counter() - t0)
         return out

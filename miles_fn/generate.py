@@ -16,6 +16,7 @@ import ops
 from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
+from miles_fn.prefix_cache import PrefixCache
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
 from ops import decode_cpu
 
@@ -39,15 +40,18 @@ def generate(
     request_ids: Sequence[int] | None = None,
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """Left-pad the prompts, prefill once, then decode one token per step for all live rows.
 
     `request_ids` name each request's key stream (default: its index in `prompts`).
     The reported log-probs come from ops.token_logprobs under `ops_cfg`, the trainer's op:
     with ops.INVARIANT they equal the trainer's full-sequence log-probs bit for bit.
+    `prefix_cache` (see prefill) makes a call faster, never different.
     """
     ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
-    return generate_rows(params, cfg, prompts, prng.fold_in(key, ids), sampling, ops_cfg=ops_cfg)
+    return generate_rows(params, cfg, prompts, prng.fold_in(key, ids), sampling, ops_cfg=ops_cfg,
+                         prefix_cache=prefix_cache)
 
 
 @torch.no_grad()
@@ -59,6 +63,7 @@ def generate_rows(
     sampling: SamplingConfig,
     *,
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """`generate` with one key per request given directly ([B, 2]): how a server that receives
     each request's key (as a sampling seed) reproduces what the caller would sample in-process."""
@@ -84,7 +89,8 @@ def generate_rows(
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
 
     routes: list | None = [] if cfg.num_experts else None  # prefill's MoE routes, then each step's
-    logits, cache = prefill(params, cfg, prompts, prompt_tok, positions, key_valid, total, ops_cfg, routes)
+    logits, cache = prefill(params, cfg, prompts, prompt_tok, positions, key_valid, total, ops_cfg, routes,
+                            stops=sampling.stop_token_ids, prefix_cache=prefix_cache)
 
     # Every step's key and its uniform in two vectorised calls instead of two Threefry
     # evaluations (~300 small ops) a step: the same values, as a draw is a function of
@@ -147,34 +153,39 @@ def generate_rows(
     return gen._replace(routed_experts=per_row)
 
 
-MIN_SHARED_PREFIX = 8  # tokens: a shorter common prefix is not worth its own forward
+MIN_SHARED_PREFIX = 8  # tokens: a shorter common prefix, or turn, is not worth its own forward
 
 
 def prefill(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], prompt_tok: torch.Tensor,
             positions: torch.Tensor, key_valid: torch.Tensor, width: int, ops_cfg: ops.OpsConfig,
-            routes: list | None = None, head: bool = True) -> tuple[torch.Tensor | None, model.KVCache]:
+            routes: list | None = None, head: bool = True, stops: Sequence[int] = (),
+            prefix_cache: PrefixCache | None = None) -> tuple[torch.Tensor | None, model.KVCache]:
     """The left-padded prompts [B, lp] into a new cache of `width` columns, and their last column's logits
     [B, V] (None with head=False).
 
     Each distinct prompt runs once and its cache rows and logits are copied to the requests that share it
-    (a GRPO batch repeats each prompt group-size times). The distinct prompts' common prefix (a chat
-    template's system turn: 27 of SmolLM2's 44 chat_arith tokens) runs once too (shared_prefix_len), a
-    function of the call's prompts alone, so a call prefills the same way whatever ran before it. `routes`
-    (MoE), when given, is filled with the prefill's moe.Route per layer, per request row (no prefix sharing).
+    (a GRPO batch repeats each prompt group-size times). The distinct prompts' common prefix runs once too,
+    cut at the turn ends they share (turn_bounds: after a `stops` token, a chat template's end of turn) and
+    then up to their longest common prefix (shared_prefix_len): a function of the call's prompts alone, so a
+    call prefills the same way whatever ran before it. The keys/values up to each cut are a function of the
+    tokens before it, so `prefix_cache` may serve them from an earlier call, bit for bit. `routes` (MoE),
+    when given, is filled with the prefill's moe.Route per layer, per request row (no prefix sharing).
     """
     b, lp = prompt_tok.shape
     row_of, src = distinct_prompts(prompts)
     dtype = params["embed"].dtype
     distinct = [prompts[i] for i in src]
-    c = 0 if routes is not None else shared_prefix_len(distinct)
+    bounds = [] if routes is not None else common_bounds(distinct, stops)
+    c = 0 if routes is not None else max(bounds[-1] if bounds else 0, shared_prefix_len(distinct))
+    share = _Shared(bounds, c, prefix_cache, (cfg, ops_cfg))
     if len(src) == b:
         cache = model.new_kv_cache(cfg, b, width, dtype)
-        return _prefill_rows(params, cfg, distinct, prompt_tok, positions, key_valid, cache, c, ops_cfg, routes,
+        return _prefill_rows(params, cfg, distinct, prompt_tok, positions, key_valid, cache, share, ops_cfg, routes,
                              head), cache
     rows, s_idx = torch.tensor(row_of, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
     pre = model.new_kv_cache(cfg, len(src), lp, dtype)
     got: list | None = None if routes is None else []
-    logits = _prefill_rows(params, cfg, distinct, prompt_tok[s_idx], positions[s_idx], key_valid[s_idx], pre, c,
+    logits = _prefill_rows(params, cfg, distinct, prompt_tok[s_idx], positions[s_idx], key_valid[s_idx], pre, share,
                            ops_cfg, got, head)
     if routes is not None:
         routes.extend(r._replace(used=r.used.view(len(src), lp, -1)[rows]) for r in got)
@@ -190,26 +201,64 @@ def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
     to give its logits); 0 for fewer than two prompts or under MIN_SHARED_PREFIX tokens."""
     if len(prompts) < 2:
         return 0
-    first, c = prompts[0], min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        c = next((i for i in range(c) if p[i] != first[i]), c)
+    c = _common_len(prompts)
     return c if c >= MIN_SHARED_PREFIX else 0
 
 
+def _common_len(prompts: Sequence[Sequence[int]]) -> int:
+    first, c = prompts[0], min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        c = next((i for i in range(c) if p[i] != first[i]), c)
+    return c
+
+
+def turn_bounds(prompt: Sequence[int], stops: Sequence[int]) -> list[int]:
+    """Where a prefill cuts this prompt: after each `stops` token (a chat turn's end) at least
+    MIN_SHARED_PREFIX tokens past the last cut and before the prompt's end.
+
+    The cuts up to any cut are a function of the tokens before it alone (a cut kept near the end only
+    ever drops later ones), so the keys/values there are too: what lets a PrefixCache serve them.
+    """
+    if not stops:
+        return []
+    stop, n, out, last = set(stops), len(prompt), [], 0
+    for i, t in enumerate(prompt):
+        if t in stop and i + 1 - last >= MIN_SHARED_PREFIX and n - i - 1 >= MIN_SHARED_PREFIX:
+            out.append(i + 1)
+            last = i + 1
+    return out
+
+
+def common_bounds(prompts: Sequence[Sequence[int]], stops: Sequence[int]) -> list[int]:
+    """The turn_bounds every prompt has, within their common prefix (each row keeps a column of its own)."""
+    if not prompts or not stops:
+        return []
+    c = _common_len(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
+    lists = [turn_bounds(p, stops) for p in prompts]
+    shared = [e for e in min(lists, key=len) if e <= c]
+    return [e for j, e in enumerate(shared) if all(len(x) > j and x[j] == e for x in lists)]
+
+
+class _Shared(NamedTuple):
+    bounds: list[int]  # the turn ends every row shares, cut one after another
+    c: int  # then the rest of the rows' common prefix: columns [0, c) run once for all rows
+    memo: PrefixCache | None
+    tag: tuple  # (model config, ops config): with the weights, what the memo's entries are a function of
+
+
 def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], tok: torch.Tensor,
-                  pos: torch.Tensor, valid: torch.Tensor, cache: model.KVCache, c: int, oc: ops.OpsConfig,
+                  pos: torch.Tensor, valid: torch.Tensor, cache: model.KVCache, share: _Shared, oc: ops.OpsConfig,
                   routes: list | None, head: bool) -> torch.Tensor | None:
-    """The prefill of left-padded rows whose first c tokens are the same: those c run once ([1, c]) and their
-    keys/values are copied to each row's columns; then the columns from c on run for every row (the longest
-    row's own, the others' tail of the prefix again, and their padding). The keys and masks each query sees
-    are those of the one-piece prefill, so under ops.INVARIANT the logits are its bits."""
-    lp = tok.shape[1]
+    """The prefill of left-padded rows whose first share.c tokens are the same: those run once ([1, c], in
+    pieces at share.bounds) and their keys/values are copied to each row's columns; then the columns from c
+    on run for every row (the longest row's own, the others' tail of the prefix again, and their padding).
+    The keys and masks each query sees are those of the one-piece prefill, so under ops.INVARIANT the logits
+    are its bits."""
+    lp, c = tok.shape[1], share.c
     mask = prefill_mask(valid, lp)
     if c == 0:
         return model.last_logits(params, cfg, tok, pos, mask, cache, 0, ops_cfg=oc, routes_out=routes, head=head)
-    shared = model.new_kv_cache(cfg, 1, c, params["embed"].dtype)
-    model.last_logits(params, cfg, torch.tensor([list(prompts[0][:c])]), torch.arange(c)[None],
-                      torch.tril(torch.ones(1, c, c, dtype=torch.bool)), shared, 0, ops_cfg=oc, head=False)
+    shared = _shared_prefix(params, cfg, prompts[0][:c], share, oc)
     lens = valid[:, :lp].sum(1)
     cols = (lp - lens)[:, None] + torch.arange(c)[None]  # [R, c]: each row's prefix columns
     rows = torch.arange(tok.shape[0])[:, None]
@@ -217,6 +266,32 @@ def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequ
         ck.transpose(1, 2)[rows, cols] = sk.transpose(1, 2)
         cv.transpose(1, 2)[rows, cols] = sv.transpose(1, 2)
     return model.last_logits(params, cfg, tok[:, c:], pos[:, c:], mask[:, c:], cache, c, ops_cfg=oc, head=head)
+
+
+def _shared_prefix(params: model.Params, cfg: ModelConfig, tokens: Sequence[int], share: _Shared,
+                   oc: ops.OpsConfig) -> model.KVCache:
+    """The keys/values [1, c] of the common prefix: a forward per piece, each on top of the ones before;
+    a piece up to a turn end comes from share.memo when it holds it, and goes there when it did not."""
+    shared = model.new_kv_cache(cfg, 1, share.c, params["embed"].dtype)
+    ends = list(share.bounds) if share.c in share.bounds else [*share.bounds, share.c]
+    start = 0
+    if share.memo is not None:
+        for j in range(len(share.bounds) - 1, -1, -1):  # the longest prefix held
+            kv = share.memo.lookup(params, share.tag, tuple(tokens[: share.bounds[j]]))
+            if kv is not None:
+                start, ends = share.bounds[j], ends[j + 1:]
+                for (sk, sv), (mk, mv) in zip(shared, kv, strict=True):
+                    sk[:, :, :start] = mk
+                    sv[:, :, :start] = mv
+                break
+    for end in ends:
+        n = end - start
+        model.last_logits(params, cfg, torch.tensor([list(tokens[start:end])]), torch.arange(start, end)[None],
+                          torch.ones(1, n, end, dtype=torch.bool).tril(start), shared, start, ops_cfg=oc, head=False)
+        if share.memo is not None and end in share.bounds:
+            share.memo.store(params, share.tag, tuple(tokens[:end]), shared)
+        start = end
+    return shared
 
 
 def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

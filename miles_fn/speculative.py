@@ -38,6 +38,7 @@ from miles_fn import model, prng
 from miles_fn.batching import place_rows
 from miles_fn.config import ModelConfig
 from miles_fn.generate import Generation, prefill
+from miles_fn.prefix_cache import PrefixCache
 from miles_fn.sampling import SamplingConfig, sample_with_uniform
 from ops import decode_cpu
 
@@ -114,13 +115,14 @@ def generate_speculative(
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
     disable_by_batch_size: int = 0,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[Generation, SpecStats]:
     """generate(params, cfg, prompts, key, sampling, request_ids) with a draft proposing num_steps tokens
     a verify: the same Generation (see the module docstring), and the acceptance counts."""
     ids = torch.tensor(request_ids if request_ids is not None else range(len(prompts)), dtype=torch.int64)
     return generate_speculative_rows(params, cfg, draft_params, draft_cfg, prompts, prng.fold_in(key, ids),
                                      sampling, num_steps, ops_cfg=ops_cfg, draft_ops_cfg=draft_ops_cfg,
-                                     disable_by_batch_size=disable_by_batch_size)
+                                     disable_by_batch_size=disable_by_batch_size, prefix_cache=prefix_cache)
 
 
 def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, num_steps: int) -> None:
@@ -217,6 +219,7 @@ def generate_speculative_rows(
     ops_cfg: ops.OpsConfig = ops.REFERENCE,
     draft_ops_cfg: ops.OpsConfig = DRAFT_OPS,
     disable_by_batch_size: int = 0,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[Generation, SpecStats]:
     """generate_rows (one key per request, [B, 2]) with speculative rounds of num_steps draft tokens.
 
@@ -248,9 +251,12 @@ def generate_speculative_rows(
     valid_t[:, :lp] = torch.arange(lp)[None] >= (lp - lens)[:, None]
     valid_d = valid_t.clone()
     positions = torch.clamp(torch.arange(lp)[None, :] - (lp - lens)[:, None], min=0)
-    logits, cache_t = prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg)
+    stops = sampling.stop_token_ids
+    logits, cache_t = prefill(params, cfg, prompts, prompt_tok, positions, valid_t, width, ops_cfg, stops=stops,
+                              prefix_cache=prefix_cache)
+    # head=False: the draft's first proposal comes from its round's [prev, pending] block
     _, cache_d = prefill(draft_params, draft_cfg, prompts, prompt_tok, positions, valid_d, width, draft_ops_cfg,
-                         head=False)  # the draft's first proposal comes from its round's [prev, pending] block
+                         head=False, stops=stops, prefix_cache=prefix_cache)
     # The kernel's rope entries: the target's t is position lens + t (pending's is n - 1), the draft's
     # position lens - 1 + t (its round starts one token earlier, at prev).
     kt = kd = None

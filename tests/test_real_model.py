@@ -199,5 +199,6 @@ def test_speculation_on_the_real_model_bench_runs(converted, tmp_path):
     cells = {(r["phase"], r["batch"], r["contender"]) for r in out["results"]}
     assert ("late", 2, "online draft") in cells and ("early", 1, "frozen draft") in cells
     assert ("late", 1, "online, k=1") in cells  # another draft length, the same tokens
+    assert ("early", 1, "no draft, no prefix cache") in cells  # the prefix cache changes no token either
     assert all(r["identical_tokens"] for r in out["results"])
     assert [r["step"] for r in out["job_per_step"]] == [1] and out["job_per_step"][0]["spec_accept_length"] >= 1.0

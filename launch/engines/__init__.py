@@ -24,7 +24,7 @@ def make_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir:
     its vocabulary) goes to a server this run starts, so the padded rows are never sampled. `draft` (http only:
     the embedded engine gets its draft from launch.speculative) starts the servers speculating with it."""
     if rcfg.backend == "embedded":
-        return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg)
+        return EmbeddedEngine(mcfg, params, version, rcfg.batch_size, ops_cfg, rcfg.prefix_cache_mb)
     if rcfg.backend == "http":
         return _http_engine(rcfg, mcfg, params, output_dir, num_threads, version, ops_cfg, vocab_limit, draft)
     if rcfg.backend == "sglang":
@@ -179,7 +179,7 @@ def _http_engine(rcfg: RolloutConfig, mcfg: ModelConfig, params: Any, output_dir
         return [sys.executable, "-m", "launch.rollout_server", "--model-path", init, "--host", "127.0.0.1",
                 "--port", str(port), "--weight-version", str(version), "--num-threads", str(num_threads),
                 "--weight-group-timeout-s", str(rcfg.timeout_s), "--watch-parent", *server_ops_args(ops_cfg),
-                "--vocab-limit", str(vocab_limit), *speculate,
+                "--vocab-limit", str(vocab_limit), "--prefix-cache-mb", str(rcfg.prefix_cache_mb), *speculate,
                 *_fault_args(fault, first)]
 
     def command(port: int, first: bool) -> list[str]:

@@ -9,6 +9,7 @@ import dataclasses
 class RolloutConfig:
     backend: str = "embedded"  # embedded | http (launch.rollout_server) | sglang
     batch_size: int = 0  # requests per engine call (0 = the whole step): results depend on it
+    prefix_cache_mb: int = 256  # embedded and http engines: prompt turns kept across calls (speed only; 0 = off)
     url: str = ""  # http: an already running rollout server (else this run starts one)
     num_engines: int = 1  # http: servers this run starts, behind a sglang-router it starts (launch/engines/fleet.py)
     router_url: str = ""  # http: an existing sglang-router; its workers are the fleet
