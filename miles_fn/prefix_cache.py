@@ -50,11 +50,12 @@ class PrefixCache:
         if not self.max_bytes:
             return None
         with self._lock:
-            got = self._entries.get((self._slot(params), tag, tokens))
+            key = (self._slot(params), tag, tokens)
+            got = self._entries.get(key)
             if got is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end((self._slot(params), tag, tokens))
+            self._entries.move_to_end(key)
             self.hits += 1
             self.hit_tokens += len(tokens)
             return got[0]

@@ -165,3 +165,18 @@ def test_the_embedded_engine_caches_until_its_weights_change(hf_models):
     on.generate(reqs[:1], sc)
     on.flush_cache()
     assert on.prefix_cache.bytes == 0
+
+
+def test_the_rollout_server_caches_and_refuses_a_negative_budget(hf_models):
+    from launch import rollout_server
+
+    cfg, params = _model(hf_models)
+    body = {"input_ids": PROMPTS, "sampling_params": [{"max_new_tokens": 4, "sampling_seed": 3, "temperature": 1.0,
+                                                       "stop_token_ids": [STOP]}] * 3}
+    one = {**body, "input_ids": [PROMPTS[1]], "sampling_params": body["sampling_params"][:1]}
+    plain = rollout_server.RolloutState(cfg, params, 0)
+    cached = rollout_server.RolloutState(cfg, params, 0, prefix_cache_mb=8)
+    assert [cached.generate(b) for b in (one, body)] == [plain.generate(b) for b in (one, body)]
+    assert cached.prefix_cache.hits == 1 and plain.prefix_cache.bytes == 0
+    with pytest.raises(SystemExit, match=r"--prefix-cache-mb=-1: must be >= 0"):
+        rollout_server.main(["--model-path", "/nonexistent", "--prefix-cache-mb", "-1"])

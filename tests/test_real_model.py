@@ -202,3 +202,16 @@ def test_speculation_on_the_real_model_bench_runs(converted, tmp_path):
     assert ("early", 1, "no draft, no prefix cache") in cells  # the prefix cache changes no token either
     assert all(r["identical_tokens"] for r in out["results"])
     assert [r["step"] for r in out["job_per_step"]] == [1] and out["job_per_step"][0]["spec_accept_length"] >= 1.0
+
+
+def test_prefix_cache_bench_runs(converted, tmp_path):
+    """bench.prefix_cache's --quick run: the cut and cached calls sample the same tokens (the bench raises
+    otherwise), and a later batch-1 call takes the system turn from the cache."""
+    from bench import prefix_cache
+
+    cache, _ = converted
+    out = prefix_cache.main(["--quick", f"--out={tmp_path / 'p.json'}", f"--model_cache_dir={cache}"])
+    got = {(r["case"], r["contender"]): r["cached_tokens"] for r in out["results"]}
+    assert got[("2 prefills of 1 prompt", "cut, with the cache")] == 20  # SmolLM2's system turn, once
+    assert got[("2 prefills of 1 prompt", "cut, no cache")] == 0
+    assert len(got) == 11
