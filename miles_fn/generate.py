@@ -235,8 +235,12 @@ def common_bounds(prompts: Sequence[Sequence[int]], stops: Sequence[int]) -> lis
         return []
     c = _common_len(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
     lists = [turn_bounds(p, stops) for p in prompts]
-    shared = [e for e in min(lists, key=len) if e <= c]
-    return [e for j, e in enumerate(shared) if all(len(x) > j and x[j] == e for x in lists)]
+    out: list[int] = []
+    for j, e in enumerate(min(lists, key=len)):  # the lists' common leading cuts, up to c
+        if e > c or any(x[j] != e for x in lists):
+            break
+        out.append(e)
+    return out
 
 
 class _Shared(NamedTuple):
