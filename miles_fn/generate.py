@@ -277,17 +277,12 @@ def _shared_prefix(params: model.Params, cfg: ModelConfig, tokens: Sequence[int]
     """The keys/values [1, c] of the common prefix: a forward per piece, each on top of the ones before;
     a piece up to a turn end comes from share.memo when it holds it, and goes there when it did not."""
     shared = model.new_kv_cache(cfg, 1, share.c, params["embed"].dtype)
-    ends = list(share.bounds) if share.c in share.bounds else [*share.bounds, share.c]
-    start = 0
-    if share.memo is not None:
-        for j in range(len(share.bounds) - 1, -1, -1):  # the longest prefix held
-            kv = share.memo.lookup(params, share.tag, tuple(tokens[: share.bounds[j]]))
-            if kv is not None:
-                start, ends = share.bounds[j], ends[j + 1:]
-                for (sk, sv), (mk, mv) in zip(shared, kv, strict=True):
-                    sk[:, :, :start] = mk
-                    sv[:, :, :start] = mv
-                break
+    start, kv = (0, None) if share.memo is None else share.memo.longest(params, share.tag, tokens, share.bounds)
+    if kv is not None:
+        for (sk, sv), (mk, mv) in zip(shared, kv, strict=True):
+            sk[:, :, :start] = mk
+            sv[:, :, :start] = mv
+    ends = [e for e in share.bounds if e > start] + ([] if share.c in share.bounds else [share.c])
     for end in ends:
         n = end - start
         model.last_logits(params, cfg, torch.tensor([list(tokens[start:end])]), torch.arange(start, end)[None],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import optree
@@ -44,21 +44,24 @@ class PrefixCache:
         self._next_slot = 0
         self._lock = threading.Lock()
 
-    def lookup(self, params: Any, tag: Hashable, tokens: tuple[int, ...]) -> KV | None:
-        """The keys/values [1, ., len(tokens), .] stored for these weights, `tag` (the model and ops
-        configs) and tokens, or None."""
-        if not self.max_bytes:
-            return None
+    def longest(self, params: Any, tag: Hashable, tokens: Sequence[int], ends: Sequence[int]
+                ) -> tuple[int, KV | None]:
+        """(e, keys/values [1, ., e, .]) for the longest tokens[:e], e in `ends`, stored for these weights
+        and `tag` (the model and ops configs); (0, None) when none is."""
+        if not self.max_bytes or not ends:
+            return 0, None
         with self._lock:
-            key = (self._slot(params), tag, tokens)
-            got = self._entries.get(key)
-            if got is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            self.hit_tokens += len(tokens)
-            return got[0]
+            slot = self._slot(params)
+            for e in sorted(ends, reverse=True):
+                key = (slot, tag, tuple(tokens[:e]))
+                got = self._entries.get(key)
+                if got is not None:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    self.hit_tokens += e
+                    return e, got[0]
+            self.misses += 1
+            return 0, None
 
     def store(self, params: Any, tag: Hashable, tokens: tuple[int, ...], kv: KV) -> None:
         """Keep a copy of kv (its first len(tokens) columns), unless it alone exceeds max_bytes."""

@@ -152,9 +152,10 @@ static inline void hsum4(v8 A, v8 B, v8 C, v8 D, float *s) {
 /* gemm_small over w in pairs of rows (interleave_pairs: rows 2i and 2i+1 as [k/8][2][8]), k a multiple of
  * 8. Two weight rows a pass halve the loads of x per FMA, and the pairs make the weights one sequential
  * stream (two rows read side by side from the plain layout ran at half the speed here). From 3 rows of x
- * the compute no longer hides the stream, so it is prefetched 2 KiB ahead (at 2 rows it cost more than it gave). Each output's order is
- * gemm_small's: its KK accumulators, then hsum (hsum4 sums 4 outputs at once in that order), so the
- * results are bitwise those of gemm_small on the plain w. An odd last row is stored plainly at the end. */
+ * the compute no longer hides the stream, so it is prefetched 2 KiB ahead (at 2 rows it cost more than it
+ * gave). Each output's order is gemm_small's: its KK accumulators, then hsum (hsum4 sums 4 outputs at
+ * once in that order), so the results are bitwise those of gemm_small on the plain w. An odd last row is
+ * stored plainly at the end. */
 #define PREFETCH_AHEAD 2048
 static inline __attribute__((always_inline)) void gemm_pairs(const float *x, int64_t ldx, const float *wi, float *y,
                                                              int64_t ldy, int64_t n, int64_t k, int accumulate,
