@@ -34,6 +34,12 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler flags; MILES_FN_DECODE_WIDE=0 builds the few-row GEMM's 8-float pairs loop even where
+    AVX-512 would take the 16-float one (the same bits; for comparisons)."""
+    return _FLAGS + (("-DMF_NARROW_PAIRS",) if os.environ.get("MILES_FN_DECODE_WIDE") == "0" else ())
 _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 _LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
@@ -79,14 +85,15 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     with open(_SOURCE, "rb") as f:
         src = f.read()
-    tag = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), torch_lib.encode(), torch.__version__.encode(),
+    flags = _flags()
+    tag = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), torch_lib.encode(), torch.__version__.encode(),
                                      platform.machine().encode(), _cpu_model().encode()])).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"decode_cpu-{tag}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
-        cmd = [cc, *_FLAGS, "-o", tmp, _SOURCE, f"-L{torch_lib}", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-lm"]
+        cmd = [cc, *flags, "-o", tmp, _SOURCE, f"-L{torch_lib}", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -120,6 +127,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.mf_pack.argtypes = [ctypes.c_int64] * 3 + [_P, _P]
     lib.mf_pack.restype = None
     lib.mf_small_rows.argtypes = []
+    lib.mf_blocked_rows.argtypes = []
+    lib.mf_blocked_rows.restype = ctypes.c_int64
+    lib.mf_wide_pairs.argtypes = []
+    lib.mf_wide_pairs.restype = ctypes.c_int
     lib.mf_small_rows.restype = ctypes.c_int64
     lib.mf_max_head_dim.argtypes = []
     lib.mf_max_head_dim.restype = ctypes.c_int64
@@ -280,13 +291,18 @@ def pairs_on(lib: ctypes.CDLL) -> bool:
     """Whether plans give the few-row GEMM its weights in pairs (interleave_pairs): a copy of every matrix,
     made once per weights. MILES_FN_DECODE_PAIRS=0 reads the plain matrices instead (the same results, bit
     for bit; for comparisons)."""
-    return small_rows(lib) > 0 and os.environ.get("MILES_FN_DECODE_PAIRS") != "0"
+    return os.environ.get("MILES_FN_DECODE_SMALL_GEMM") != "0" and os.environ.get("MILES_FN_DECODE_PAIRS") != "0"
 
 
 def small_rows(lib: ctypes.CDLL) -> int:
-    """Up to how many rows the kernel's own few-row GEMM takes a product (it streams each weight once for
-    all rows, where BLAS's small-M kernels cost far more than one pass); MILES_FN_DECODE_SMALL_GEMM=0: none."""
-    return 0 if os.environ.get("MILES_FN_DECODE_SMALL_GEMM") == "0" else int(lib.mf_small_rows())
+    """Up to how many rows the kernel's own GEMM takes a product: 1-8 in one pass over each weight for all
+    rows (where BLAS's small-M kernels cost far more), and on the paired weights up to mf_blocked_rows in
+    chunks of 8 over L2-sized blocks of them (MKL's packed GEMM ran 24-44 rows at ~60 GFLOP/s here).
+    MILES_FN_DECODE_SMALL_GEMM=0: none; MILES_FN_DECODE_BLOCKED=0: 8 at most (for comparisons)."""
+    if os.environ.get("MILES_FN_DECODE_SMALL_GEMM") == "0":
+        return 0
+    blocked = pairs_on(lib) and os.environ.get("MILES_FN_DECODE_BLOCKED") != "0"
+    return int(lib.mf_blocked_rows() if blocked else lib.mf_small_rows())
 
 
 def packs(lib: ctypes.CDLL, rows: int) -> bool:
@@ -393,7 +409,7 @@ class DecodePlan:
                     setattr(self._model, f"{n}_i", ptrs)
             self._model.lm_head_i = _ptr(head_i)
         self.packed = packs(lib, m)
-        self.few_rows = m <= self._model.small_rows  # every product in the few-row GEMM
+        self.few_rows = m <= self._model.small_rows  # every product in the kernel's own GEMM (few-row or blocked)
         self._logits_ptr = _ptr(self.logits)
         self._work = torch.empty(2 * cfg.vocab_size)
         self._work_ptr = _ptr(self._work)

@@ -164,15 +164,17 @@ def test_plan_rejects_steps_and_tokens_outside_it(hf_models):
 
 @needs_kernel
 def test_plans_past_the_few_row_gemm_use_weights_packed_once_with_the_same_logits(hf_models, monkeypatch):
-    """Up to 8 rows the kernel's few-row GEMM takes every product and nothing is packed; from 9 the plan
-    packs its matrices once (MKL's packed GEMM, where torch's BLAS has it). Both give BLAS's plain sgemm
-    logits to float32 rounding. Their match with float64 is the tests above and below."""
+    """Up to 8 rows the kernel's few-row GEMM takes every product and nothing is packed; on the paired weights
+    the blocked GEMM takes 9-64 rows in chunks of 8, and past that the plan packs its matrices once (MKL's
+    packed GEMM, where torch's BLAS has it). All give BLAS's plain sgemm logits to float32 rounding. Their
+    match with float64 is the tests above and below."""
     _, path = hf_models[("llama", False)]
     cfg, params = hf.load_hf(path)
     lib, _ = decode_cpu._library()
-    rows_max = 12
+    blocked = int(lib.mf_blocked_rows())
+    rows_max = blocked + 8
     cos, sin = ops.rope_tables(torch.arange(4)[None].expand(rows_max, 4), cfg.dim_head, cfg.rope_theta)
-    tokens = torch.arange(1, rows_max + 1)
+    tokens = torch.arange(1, rows_max + 1) % cfg.vocab_size
 
     def step(rows):
         cache = model.new_kv_cache(cfg, rows, 10)
@@ -180,7 +182,7 @@ def test_plans_past_the_few_row_gemm_use_weights_packed_once_with_the_same_logit
                                      sin[:rows, 0])
         return plan, plan.step(tokens[:rows], 0, 6).clone()
 
-    few = {r: step(r) for r in (1, 5, 8)}
+    few = {r: step(r) for r in (1, 5, 8, 12, 29, blocked)}
     assert all(p.few_rows and not p.packed for p, _ in few.values())
     packed_plan, packed = step(rows_max)
     assert not packed_plan.few_rows and packed_plan.packed is bool(lib.mf_pack_available())
@@ -193,6 +195,28 @@ def test_plans_past_the_few_row_gemm_use_weights_packed_once_with_the_same_logit
         blas_plan, blas = step(rows)
         assert not blas_plan.few_rows
         torch.testing.assert_close(logits, blas, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_blocked_gemm_sums_each_chunk_of_8_rows_as_the_few_row_gemm_does(hf_models):
+    """Past 8 rows the blocked GEMM runs the few-row GEMM on each chunk of 8 rows of x (the last chunk the
+    rest): a 29-row step's logits are, bit for bit, those of steps of 8, 8, 8 and 5 rows on the same tokens.
+    A BLAS or packed product past 8 rows would not give those bits."""
+    _, path = hf_models[("qwen2", False)]
+    cfg, params = hf.load_hf(path)
+    cos, sin = ops.rope_tables(torch.arange(4)[None].expand(29, 4), cfg.dim_head, cfg.rope_theta)
+    tokens = torch.randint(0, cfg.vocab_size, (29,), generator=torch.Generator().manual_seed(0))
+
+    def step(lo, hi):
+        cache = model.new_kv_cache(cfg, hi - lo, 10)
+        plan = decode_cpu.DecodePlan(params, cfg, cache, torch.ones(hi - lo, 10, dtype=torch.bool), cos[lo:hi, 0],
+                                     sin[lo:hi, 0])
+        assert plan.few_rows
+        return plan.step(tokens[lo:hi], 0, 6).clone()
+
+    whole = step(0, 29)
+    assert torch.equal(whole, torch.cat([step(0, 8), step(8, 16), step(16, 24), step(24, 29)]))
+    assert not torch.equal(whole[:5], step(0, 5))  # a 5-row chunk sums in another order: the match is not trivial
 
 
 @needs_kernel
