@@ -260,8 +260,9 @@ def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequ
     are its bits."""
     lp, c = tok.shape[1], share.c
     mask = prefill_mask(valid, lp)
+    dense = bool(valid[:, :lp].all())
     if c == 0:
-        return model.last_logits(params, cfg, tok, pos, mask, cache, 0, ops_cfg=oc, routes_out=routes, head=head)
+        return _forward(params, cfg, tok, pos, mask, cache, 0, oc, routes, head, dense)
     shared = _shared_prefix(params, cfg, prompts[0][:c], share, oc)
     lens = valid[:, :lp].sum(1)
     cols = (lp - lens)[:, None] + torch.arange(c)[None]  # [R, c]: each row's prefix columns
@@ -269,7 +270,19 @@ def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequ
     for (ck, cv), (sk, sv) in zip(cache, shared, strict=True):  # [R, S, Hkv, D] views, written in place
         ck.transpose(1, 2)[rows, cols] = sk.transpose(1, 2)
         cv.transpose(1, 2)[rows, cols] = sv.transpose(1, 2)
-    return model.last_logits(params, cfg, tok[:, c:], pos[:, c:], mask[:, c:], cache, c, ops_cfg=oc, head=head)
+    return _forward(params, cfg, tok[:, c:], pos[:, c:], mask[:, c:], cache, c, oc, None, head, dense)
+
+
+def _forward(params: model.Params, cfg: ModelConfig, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+             cache: model.KVCache, start: int, oc: ops.OpsConfig, routes: list | None, head: bool,
+             dense: bool) -> torch.Tensor | None:
+    """One prefill forward: model.last_logits, or the C kernel's (decode_cpu.prefill) where decoding takes the
+    kernel and the block is `dense` (no left padding: `mask` is then the causal mask over the cache's columns
+    before it, which the kernel applies itself). A function of the ops config and the shapes, so a prompt
+    prefills the same way at every call."""
+    if dense and routes is None and decode_cpu.chosen(oc, params, cache):
+        return decode_cpu.prefill(params, cfg, tok, pos, cache, start, head)
+    return model.last_logits(params, cfg, tok, pos, mask, cache, start, ops_cfg=oc, routes_out=routes, head=head)
 
 
 def _shared_prefix(params: model.Params, cfg: ModelConfig, tokens: Sequence[int], share: _Shared,
@@ -285,8 +298,8 @@ def _shared_prefix(params: model.Params, cfg: ModelConfig, tokens: Sequence[int]
     ends = [e for e in share.bounds if e > start] + ([] if share.c in share.bounds else [share.c])
     for end in ends:
         n = end - start
-        model.last_logits(params, cfg, torch.tensor([list(tokens[start:end])]), torch.arange(start, end)[None],
-                          torch.ones(1, n, end, dtype=torch.bool).tril(start), shared, start, ops_cfg=oc, head=False)
+        _forward(params, cfg, torch.tensor([list(tokens[start:end])]), torch.arange(start, end)[None],
+                 torch.ones(1, n, end, dtype=torch.bool).tril(start), shared, start, oc, None, False, True)
         if share.memo is not None and end in share.bounds:
             share.memo.store(params, share.tag, tuple(tokens[:end]), shared)
         start = end

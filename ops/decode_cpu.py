@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ops.rope import rope_tables
+
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
 
@@ -111,7 +113,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                                    ctypes.c_int64, _P]
     lib.mf_decode_step.restype = ctypes.c_int
     i64p = ctypes.POINTER(ctypes.c_int64)
-    lib.mf_block_step.argtypes = [ctypes.POINTER(_Model), i64p, i64p, ctypes.c_int64, _P, i64p, ctypes.c_int64]
+    lib.mf_block_step.argtypes = [ctypes.POINTER(_Model), i64p, i64p, ctypes.c_int64, _P, i64p, ctypes.c_int64,
+                                  ctypes.c_int]
     lib.mf_block_step.restype = ctypes.c_int
     lib.mf_sample_rows.argtypes = [ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(ctypes.c_double),
                                    ctypes.c_float, i64p, _P, _P]
@@ -341,11 +344,13 @@ class DecodePlan:
     It holds the tensors it points to, so nothing it names is freed while it lives; the caches are
     the caller's and are written in place, as model.forward writes them. A uint8 contiguous key_valid
     is the caller's too, read at every step (a speculative round edits it between steps); any other
-    is copied once. `block` is the tokens per row each step carries (block_step; step needs 1).
+    is copied once. `block` is the tokens per row each step carries (block_step; step needs 1). pack=False
+    never packs the weights for BLAS (a prefill's row count varies from call to call, and each count would
+    keep its own packed copy of every matrix).
     """
 
     def __init__(self, params: dict[str, Any], cfg: Any, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                 key_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block: int = 1):
+                 key_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block: int = 1, pack: bool = True):
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
@@ -382,7 +387,7 @@ class DecodePlan:
             key_valid=ctypes.cast(self.key_valid.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
             cos=_ptr(self.cos), sin=_ptr(self.sin), block=block, small_rows=small_rows(lib), **arrays,
             **{n: _ptr(t) for n, t in scratch.items()})
-        if packs(lib, m):  # once per weights and row count: ~one pass over them, then every step skips it
+        if pack and packs(lib, m):  # once per weights and row count: ~one pass over them, then every step skips it
             per_layer = [_derived(src["wq"], _layer_sources(src), m,
                                   lambda layer=layer: {n: _pack(lib, layer[n], m) for n in _PACKED}, plan)
                          for src, layer in zip(params["layers"], layers, strict=True)]
@@ -408,7 +413,7 @@ class DecodePlan:
                     self._keep.append(ptrs)
                     setattr(self._model, f"{n}_i", ptrs)
             self._model.lm_head_i = _ptr(head_i)
-        self.packed = packs(lib, m)
+        self.packed = pack and packs(lib, m)
         self.few_rows = m <= self._model.small_rows  # every product in the kernel's own GEMM (few-row or blocked)
         self._logits_ptr = _ptr(self.logits)
         self._work = torch.empty(2 * cfg.vocab_size)
@@ -436,13 +441,14 @@ class DecodePlan:
         return self.logits
 
     def block_step(self, tokens: torch.Tensor, t0: torch.Tensor, col: int, rows: torch.Tensor | None = None,
-                   head: bool = True) -> torch.Tensor | None:
+                   head: bool = True, last_only: bool = False) -> torch.Tensor | None:
         """Logits [R, T, V] for tokens [R, T] (T = block) of the plan's rows `rows` (int64 [R], distinct;
         None: all B, in order): row rows[i]'s token j goes to its cache column col + j at its rope entry
         t0[i] + j and attends the columns 0..col + j that key_valid allows (mark the block's columns valid
         first for a causal block). Rows left out are not computed and their caches are not touched: the
         rows that have finished cost nothing. The plan's buffer, overwritten by the next step. head=False
-        fills the caches only and returns None: the output layer (SmolLM2's 49k rows) is skipped."""
+        fills the caches only and returns None: the output layer (SmolLM2's 49k rows) is skipped; last_only
+        gives the logits [R, V] of each row's last token alone (a prefill's)."""
         b, blk = self._model.rows, self._model.block
         n = b if rows is None else int(rows.shape[0])
         tokens = tokens.to(torch.int64).contiguous()
@@ -457,13 +463,15 @@ class DecodePlan:
                 raise ValueError(f"block step: rows must be distinct indices in [0, {b}), got {rows.tolist()}")
             rp = _i64(rows)
         rc = self._lib.mf_block_step(ctypes.byref(self._model), _i64(tokens), _i64(t0), col,
-                                     self._logits_ptr if head else None, rp, n)
+                                     self._logits_ptr if head else None, rp, n, int(last_only))
         if rc == 2:
             raise ValueError(f"block step: a token id is outside the vocabulary [0, {self._model.vocab})")
         if rc != 0:
             raise ValueError(f"block step at cache column {col}, rope entries {t0.tolist()} + {blk} lies outside the "
                              f"plan ({self._model.n_new} entries, {self._model.max_len} columns)")
-        return self.logits[: n * blk].view(n, blk, -1) if head else None
+        if not head:
+            return None
+        return self.logits[:n] if last_only else self.logits[: n * blk].view(n, blk, -1)
 
     def generate(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
                  stop_token_ids: tuple[int, ...], first_col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -501,3 +509,35 @@ class DecodePlan:
             raise ValueError(f"decode generate: cache column {first_col} + {n} steps is outside the plan "
                              f"({self._model.max_len} columns)")
         return tokens, logprobs, counts
+
+
+def prefill(params: dict[str, Any], cfg: Any, tokens: torch.Tensor, positions: torch.Tensor,
+            cache: list[tuple[torch.Tensor, torch.Tensor]], start: int, head: bool = True) -> torch.Tensor | None:
+    """model.last_logits on the kernel for a dense causal block: tokens [B, T] (no padding) at positions
+    [B, T] into cache columns start..start+T, each attending every column before it. Logits [B, V] of the
+    last column (None with head=False).
+
+    The block runs in pieces of at most mf_blocked_rows // B tokens a row, each on the cache the ones before
+    it wrote: a pass streams the weights once for all its rows, in the kernel's own GEMM (MKL ran 24-44 rows
+    at ~60 GFLOP/s here). The pieces are a function of (B, T) alone, so a prompt prefills the same way at
+    every call. Its reductions are the kernel's, so the logits equal model.last_logits' to float32 rounding.
+    """
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
+    b, t = tokens.shape
+    piece = max(1, int(lib.mf_blocked_rows()) // b)
+    width = cache[0][0].shape[2]
+    valid = torch.zeros(b, width, dtype=torch.uint8)
+    valid[:, : start + t] = 1
+    cos, sin = (x[:, 0] for x in rope_tables(positions, cfg.dim_head, cfg.rope_theta))
+    out = None
+    for p0 in range(0, t, piece):
+        n = min(piece, t - p0)
+        plan = DecodePlan(params, cfg, cache, valid, cos[:, p0 : p0 + n], sin[:, p0 : p0 + n], block=n, pack=False)
+        last = head and p0 + n == t
+        got = plan.block_step(tokens[:, p0 : p0 + n], torch.zeros(b, dtype=torch.int64), start + p0, head=last,
+                              last_only=True)
+        out = got.clone() if last else None
+    return out
+

@@ -401,3 +401,32 @@ def test_a_block_step_without_its_head_writes_the_same_caches(hf_models):
         caches.append(cache)
     assert caches[0][0][0][:, :, 2:4].abs().sum() > 0
     assert all(torch.equal(a, b) for kv0, kv1 in zip(*caches, strict=True) for a, b in zip(kv0, kv1, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_the_kernels_prefill_matches_a_float64_forward_across_its_pieces(hf_models, arch, tie):
+    """decode_cpu.prefill, on top of cache columns an earlier prefill wrote: 2 rows of 40 tokens (80 GEMM rows,
+    so two pieces of at most 32 tokens a row, the second on the cache the first wrote), each row at its own
+    positions. The last column's logits match a float64 forward of the whole sequence; head=False gives
+    none and the same caches, bit for bit."""
+    _, path = hf_models[(arch, tie)]
+    cfg, params = hf.load_hf(path)
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, cfg.vocab_size, (2, 43), generator=g)
+    pos = torch.tensor([[0], [5]]) + torch.arange(43)[None]
+    p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
+           for k, v in params.items()}
+    caches, outs = [], []
+    for head in (True, False):
+        cache = model.new_kv_cache(cfg, 2, 48)
+        decode_cpu.prefill(params, cfg, seq[:, :3], pos[:, :3], cache, 0)
+        outs.append(decode_cpu.prefill(params, cfg, seq[:, 3:], pos[:, 3:], cache, 3, head=head))
+        caches.append(cache)
+    assert outs[1] is None
+    assert all(torch.equal(a, b) for kv0, kv1 in zip(*caches, strict=True) for a, b in zip(kv0, kv1, strict=True))
+    for r in range(2):
+        with torch.no_grad():
+            ref = model.forward(p64, cfg, seq[r : r + 1], pos[r : r + 1], model.causal_segment_mask(torch.ones(1, 43)))
+        torch.testing.assert_close(torch.log_softmax(outs[0][r].double(), -1), torch.log_softmax(ref[0, -1], -1),
+                                   atol=2e-5, rtol=0)

@@ -2,6 +2,7 @@
 
 import torch
 
+from miles_fn import generate as generate_module
 from miles_fn import model, prng
 from miles_fn.generate import MIN_SHARED_PREFIX, generate, shared_prefix_len
 from miles_fn.sampling import SamplingConfig, filter_logits, sample, sample_with_uniform
@@ -144,8 +145,8 @@ def test_a_common_prefix_is_prefilled_once_and_rows_sample_as_if_alone(hf_models
     prompts = [head + [4], head + [7, 30, 2], head + [11, 12], head + [4], head + [25, 1, 9, 9, 3]]
     sc = SamplingConfig(temperature=1.0, max_new_tokens=5)
     shapes = []
-    run = model.last_logits
-    monkeypatch.setattr(model, "last_logits", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
+    run = generate_module._forward  # each prefill forward, on torch or the C kernel
+    monkeypatch.setattr(generate_module, "_forward", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
     gen = generate(params, cfg, prompts, prng.key(3), sc, ops_cfg=ops.INVARIANT)
     assert shapes == [(1, 10), (4, 5)]  # the prefix once; the 4 distinct prompts from column 10 of 15
     fast = generate(params, cfg, prompts, prng.key(3), sc)

@@ -10,6 +10,7 @@ import ops
 from launch.engines.base import Request
 from launch.engines.embedded import EmbeddedEngine
 from miles_fn import draft, model, prng
+from miles_fn import generate as generate_module
 from miles_fn.generate import MIN_SHARED_PREFIX, common_bounds, generate, turn_bounds
 from miles_fn.prefix_cache import PrefixCache
 from miles_fn.sampling import SamplingConfig
@@ -54,8 +55,8 @@ def _model(hf_models, tied: bool = False):
 
 def _shapes(monkeypatch) -> list:
     shapes = []
-    run = model.last_logits
-    monkeypatch.setattr(model, "last_logits", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
+    run = generate_module._forward  # each prefill forward, on torch or the C kernel
+    monkeypatch.setattr(generate_module, "_forward", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
     return shapes
 
 

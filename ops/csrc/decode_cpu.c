@@ -461,7 +461,7 @@ int64_t mf_max_head_dim(void) { return MAX_HEAD_DIM; }
  * serve only a product of B*T rows; fewer rows take the few-row GEMM or the plain BLAS call. Returns 0; 1
  * when a column, table entry or row lies outside the plan; 2 for a token outside the vocabulary. */
 static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t t, int64_t col, float *logits,
-                   const int64_t *rows, int64_t n_rows) {
+                   const int64_t *rows, int64_t n_rows, int last_only) {
     const int64_t T = m->block, M = n_rows * T, H = m->hidden, D = m->head_dim, nq = m->heads * D;
     const int64_t nkv = m->kv_heads * D, I = m->inter, S = m->max_len, ld = nq + 2 * nkv;
     const int full = n_rows == m->rows;  /* the packed copies' row count */
@@ -503,6 +503,12 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
                full && m->w_down_p ? m->w_down_p[l] : NULL, m->x, M, H, I, H, 1, m->small_rows);
     }
     if (!logits) return 0;  /* the caches only (a draft's plain step: its proposal is unused) */
+    if (last_only) {  /* a prefill samples from each row's last token alone: the head over n_rows rows, not M */
+        for (int64_t i = 0; i < n_rows; i++)
+            rms_norm(m->x + (i * T + T - 1) * H, m->final_norm, m->h + i * H, 1, H, m->eps);
+        linear(m->h, H, m->lm_head, m->lm_head_i, NULL, logits, n_rows, m->vocab, H, m->vocab, 0, m->small_rows);
+        return 0;
+    }
     rms_norm(m->x, m->final_norm, m->h, M, H, m->eps);
     linear(m->h, H, m->lm_head, m->lm_head_i, full ? m->lm_head_p : NULL, logits, M, m->vocab, H, m->vocab, 0,
            m->small_rows);
@@ -512,15 +518,16 @@ static int forward(const Model *m, const int64_t *tokens, const int64_t *t0, int
 /* Decode step t (cache column col) for tokens [B] of a one-token plan (block 1). */
 int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col, float *logits) {
     if (m->block != 1) return 1;
-    return forward(m, tokens, NULL, t, col, logits, NULL, m->rows);
+    return forward(m, tokens, NULL, t, col, logits, NULL, m->rows, 0);
 }
 
 /* A block step (tokens [n_rows, block] of the plan's rows `rows`, NULL: all B; computed row i's first token at
  * rope entry t0[i]), e.g. a speculative verify forward over the rows still decoding. Logits [n_rows*block, V],
- * or none (logits NULL): the tokens' keys and values only. */
+ * [n_rows, V] of each row's last token with last_only (a prefill), or none (logits NULL): the tokens' keys and
+ * values only. */
 int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits,
-                  const int64_t *rows, int64_t n_rows) {
-    return forward(m, tokens, t0, 0, col, logits, rows, rows ? n_rows : m->rows);
+                  const int64_t *rows, int64_t n_rows, int last_only) {
+    return forward(m, tokens, t0, 0, col, logits, rows, rows ? n_rows : m->rows, last_only);
 }
 
 /* One token per row of logits [B, V] at temperature T, as miles_fn.sampling.sample_with_uniform without
@@ -595,7 +602,7 @@ int mf_generate(const Model *m, float *logits, const double *u, float temperatur
         }
         n_act = kept;
         if (t == n - 1 || n_act == 0) break;
-        const int rc = forward(m, step_tok, NULL, t, first_col + t, logits, n_act == B ? NULL : act, n_act);
+        const int rc = forward(m, step_tok, NULL, t, first_col + t, logits, n_act == B ? NULL : act, n_act, 0);
         if (rc) return rc;
     }
     return 0;
