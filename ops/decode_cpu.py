@@ -39,9 +39,15 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,
 
 
 def _flags() -> tuple[str, ...]:
-    """The compiler flags; MILES_FN_DECODE_WIDE=0 builds the few-row GEMM's 8-float pairs loop even where
-    AVX-512 would take the 16-float one (the same bits; for comparisons)."""
-    return _FLAGS + (("-DMF_NARROW_PAIRS",) if os.environ.get("MILES_FN_DECODE_WIDE") == "0" else ())
+    """The compiler flags. For comparisons (the same bits): MILES_FN_DECODE_WIDE=0 builds the few-row GEMM's
+    8-float pairs loop even where AVX-512 would take the 16-float one; MILES_FN_DECODE_PREFETCH=<bytes> sets
+    how far ahead it prefetches its weights."""
+    extra = ("-DMF_NARROW_PAIRS",) if os.environ.get("MILES_FN_DECODE_WIDE") == "0" else ()
+    if ahead := os.environ.get("MILES_FN_DECODE_PREFETCH"):
+        if not ahead.isdigit():
+            raise ValueError(f"MILES_FN_DECODE_PREFETCH must be a byte count, got {ahead!r}")
+        extra += (f"-DPREFETCH_AHEAD={ahead}",)
+    return _FLAGS + extra
 _P = ctypes.POINTER(ctypes.c_float)
 _PP = ctypes.POINTER(_P)
 _LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
@@ -218,7 +224,7 @@ def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
 # of the weights, not state; one lock, as an engine may build plans on two threads.
 _DERIVED = WeakTensorKeyDictionary()  # owner tensor -> [its sources' (ref, _version), last plan, {what: derived}]
 _PACKED_ROW_COUNTS = 2  # packed panels kept per weight: one per GEMM row count, the most recent ones
-_KEEP_PLANS = 8  # a speculative call builds up to 4 plans (target verify and step, draft's two)
+_KEEP_PLANS = 32  # a speculative call: 4 decode plans (target's two, draft's two), one per prefill piece of each
 _LOCK = threading.Lock()
 _plans_built = 0
 

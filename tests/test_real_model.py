@@ -215,3 +215,19 @@ def test_prefix_cache_bench_runs(converted, tmp_path):
     assert got[("2 prefills of 1 prompt", "cut, with the cache")] == 20  # SmolLM2's system turn, once
     assert got[("2 prefills of 1 prompt", "cut, no cache")] == 0
     assert len(got) == 11
+
+
+def test_decode_kernel_bench_runs(converted, tmp_path):
+    """bench.decode_kernel's --quick run: every kernel contender and both prefills time on the real model, and
+    the comparison switches leave the process as they found it."""
+    from bench import decode_kernel
+    from ops import decode_cpu
+
+    cache, _ = converted
+    lib = decode_cpu._library()[0]
+    out = decode_kernel.main(["--quick", f"--out={tmp_path / 'k.json'}", f"--model_cache_dir={cache}"])
+    cells = {r["cell"]: r for r in out["results"]}
+    assert set(cells) == {"1 x 1", "2 x 5", "prefill 1 x 3"}
+    assert len(cells["2 x 5"]["ms"]) == len(decode_kernel.CONTENDERS) and cells["prefill 1 x 3"]["speedup"] > 0
+    assert all(k not in os.environ for k in decode_kernel.SWITCHES)
+    assert decode_cpu._library()[0]._name == lib._name  # the default build again

@@ -157,7 +157,9 @@ static inline void hsum4(v8 A, v8 B, v8 C, v8 D, float *s) {
  * gave). Each output's order is gemm_small's: its KK accumulators, then hsum (hsum4 sums 4 outputs at
  * once in that order), so the results are bitwise those of gemm_small on the plain w. An odd last row is
  * stored plainly at the end. */
-#define PREFETCH_AHEAD 16384
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 16384  /* bytes; 2 KiB (as before 2026-12-07 evening) left the stream stalled at 4-8 rows here */
+#endif
 static inline __attribute__((always_inline)) void gemm_pairs(const float *x, int64_t ldx, const float *wi, float *y,
                                                              int64_t ldy, int64_t n, int64_t k, int accumulate,
                                                              const int R, const int KK) {
@@ -210,39 +212,45 @@ static inline __attribute__((always_inline)) void gemm_pairs(const float *x, int
  * side by side in wi, so one 16-float load takes both and one FMA against x's chunk, broadcast to both
  * halves, does gemm_pairs' two. Each lane sees the same products and sums in the same order, so the results
  * are gemm_pairs' bit for bit, with half the FMA and weight-load instructions: at 3-8 rows of x the pass is
- * bound by its FMAs (a core that runs 512-bit FMAs at full width does twice the lanes a cycle). */
+ * bound by its FMAs (a core that runs 512-bit FMAs at full width does twice the lanes a cycle). Where the
+ * weights are `resident` (in L2: gemm_blocked's chunks after the first) a pass takes two pairs, which
+ * shares each load of x between 4 outputs (1.1-1.3x there; from memory the two streams ran slower). */
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(MF_NARROW_PAIRS)
 #define WIDE_PAIRS 1
-static inline __attribute__((always_inline)) void gemm_pairs16(const float *x, int64_t ldx, const float *wi, float *y,
-                                                               int64_t ldy, int64_t n, int64_t k, int accumulate,
-                                                               const int R, const int KK) {
-    const int64_t n2 = n & ~(int64_t)1, kb = k - k % (8 * KK);
-    for (int64_t j = 0; j < n2; j += 2) {
-        const float *wp = wi + j * k;
-        __m512 a[SMALL_ROWS][8];
+/* P (1 or 2) pairs of weight rows at once, from wp (pair p at wp + 2 p k), for R rows of x. */
+static inline __attribute__((always_inline)) void pairs16_pass(const float *x, int64_t ldx, const float *wp, float *y,
+                                                               int64_t ldy, int64_t k, int accumulate, const int R,
+                                                               const int KK, const int P) {
+    const int64_t kb = k - k % (8 * KK);
+    __m512 a[2][SMALL_ROWS][8];
+    for (int q = 0; q < P; q++)
         for (int r = 0; r < R; r++)
-            for (int u = 0; u < KK; u++) a[r][u] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < kb; c += 8 * KK) {
-            if (R > 2)
+            for (int u = 0; u < KK; u++) a[q][r][u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kb; c += 8 * KK) {
+        if (R > 2)
+            for (int q = 0; q < P; q++)
                 for (int p = 0; p < 2 * KK * 32; p += 64)
-                    __builtin_prefetch((const char *)(wp + 2 * c) + p + PREFETCH_AHEAD, 0, 0);
-            for (int u = 0; u < KK; u++) {
-                const __m512 w01 = _mm512_loadu_ps(wp + 2 * (c + 8 * u));
-                for (int r = 0; r < R; r++) {
-                    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + c + 8 * u));
-                    a[r][u] = _mm512_fmadd_ps(w01, xv, a[r][u]);
-                }
+                    __builtin_prefetch((const char *)(wp + 2 * q * k + 2 * c) + p + PREFETCH_AHEAD, 0, 0);
+        for (int u = 0; u < KK; u++) {
+            __m512 w01[2];
+            for (int q = 0; q < P; q++) w01[q] = _mm512_loadu_ps(wp + 2 * q * k + 2 * (c + 8 * u));
+            for (int r = 0; r < R; r++) {
+                const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + c + 8 * u));
+                for (int q = 0; q < P; q++) a[q][r][u] = _mm512_fmadd_ps(w01[q], xv, a[q][r][u]);
             }
         }
-        for (int64_t c = kb; c < k; c += 8) {
-            const __m512 w01 = _mm512_loadu_ps(wp + 2 * c);
-            for (int r = 0; r < R; r++)
-                a[r][0] = _mm512_fmadd_ps(w01, _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + c)), a[r][0]);
+    }
+    for (int64_t c = kb; c < k; c += 8)
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + c));
+            for (int q = 0; q < P; q++)
+                a[q][r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wp + 2 * q * k + 2 * c), xv, a[q][r][0]);
         }
+    for (int q = 0; q < P; q++) {
         v8 t[2 * SMALL_ROWS];
         for (int r = 0; r < R; r++) {
-            __m512 s = a[r][0];
-            for (int u = 1; u < KK; u++) s = _mm512_add_ps(s, a[r][u]);
+            __m512 s = a[q][r][0];
+            for (int u = 1; u < KK; u++) s = _mm512_add_ps(s, a[q][r][u]);
             t[2 * r] = (v8)_mm512_castps512_ps256(s);
             t[2 * r + 1] = (v8)_mm512_extractf32x8_ps(s, 1);
         }
@@ -251,24 +259,35 @@ static inline __attribute__((always_inline)) void gemm_pairs16(const float *x, i
         for (; o + 4 <= 2 * R; o += 4) hsum4(t[o], t[o + 1], t[o + 2], t[o + 3], s + o);
         for (; o < 2 * R; o++) s[o] = hsum(t[o]);
         for (o = 0; o < 2 * R; o++) {
-            float *out = y + (o / 2) * ldy + j + o % 2;
+            float *out = y + (o / 2) * ldy + 2 * q + o % 2;
             *out = accumulate ? *out + s[o] : s[o];
         }
     }
+}
+
+static inline __attribute__((always_inline)) void gemm_pairs16(const float *x, int64_t ldx, const float *wi, float *y,
+                                                               int64_t ldy, int64_t n, int64_t k, int accumulate,
+                                                               const int R, const int KK, const int resident) {
+    const int64_t n2 = n & ~(int64_t)1, n4 = resident ? n & ~(int64_t)3 : 0;
+    int64_t j = 0;
+    for (; j < n4; j += 4) pairs16_pass(x, ldx, wi + j * k, y + j, ldy, k, accumulate, R, KK, 2);
+    for (; j < n2; j += 2) pairs16_pass(x, ldx, wi + j * k, y + j, ldy, k, accumulate, R, KK, 1);
     if (n2 < n) gemm_small(x, ldx, wi + n2 * k, y + n2, ldy, 1, k, accumulate, R, KK);
 }
-#define PAIRS gemm_pairs16
+#define PAIRS(x, ldx, wi, y, ldy, n, k, acc, R, KK, res) gemm_pairs16(x, ldx, wi, y, ldy, n, k, acc, R, KK, res)
 #else
 #define WIDE_PAIRS 0
-#define PAIRS gemm_pairs
+#define PAIRS(x, ldx, wi, y, ldy, n, k, acc, R, KK, res) gemm_pairs(x, ldx, wi, y, ldy, n, k, acc, R, KK)
 #endif
 
 int mf_wide_pairs(void) { return WIDE_PAIRS; }
 
-/* Up to SMALL_ROWS rows: gemm_pairs on w's pairs when given (wi), else gemm_small on the plain w. */
+/* Up to SMALL_ROWS rows: gemm_pairs on w's pairs when given (wi), else gemm_small on the plain w; `resident`:
+ * the weights are in cache (gemm_pairs16's two-pair passes). */
 static void gemm_few_rows(const float *x, int64_t ldx, const float *w, const float *wi, float *y, int64_t ldy,
-                          int64_t rows, int64_t n, int64_t k, int accumulate) {
-#define FEW(R, KK) (wi ? PAIRS(x, ldx, wi, y, ldy, n, k, accumulate, R, KK) \
+                          int64_t rows, int64_t n, int64_t k, int accumulate, int resident) {
+#define FEW(R, KK) (wi ? (resident ? PAIRS(x, ldx, wi, y, ldy, n, k, accumulate, R, KK, 1)                 \
+                               : PAIRS(x, ldx, wi, y, ldy, n, k, accumulate, R, KK, 0))                \
                        : gemm_small(x, ldx, w, y, ldy, n, k, accumulate, R, KK))
     switch (rows) {  /* constant R and KK: the compiler keeps the accumulators in registers */
         case 1: FEW(1, 8); break;
@@ -286,7 +305,8 @@ static void gemm_few_rows(const float *x, int64_t ldx, const float *w, const flo
 /* Past SMALL_ROWS, up to BLOCKED_ROWS rows on w's pairs: gemm_few_rows over blocks of BLOCK_COLS weight rows,
  * each block taken by every chunk of SMALL_ROWS rows of x in turn. A block (64 x k floats: 144-384 KiB
  * here) stays in L2 while the chunks pass over it, so the weights still stream from memory once. Each
- * output is its chunk's gemm_few_rows sum: for a chunk of R rows, the order gemm_few_rows gives R rows. */
+ * output is its chunk's gemm_few_rows sum: for a chunk of R rows, the order gemm_few_rows gives R rows
+ * (resident or not: the same bits). */
 #define BLOCKED_ROWS 64
 #define BLOCK_COLS 64  /* even: a block starts on a pair */
 static void gemm_blocked(const float *x, int64_t ldx, const float *wi, float *y, int64_t ldy, int64_t rows,
@@ -295,7 +315,7 @@ static void gemm_blocked(const float *x, int64_t ldx, const float *wi, float *y,
         const int64_t nb = n - j0 < BLOCK_COLS ? n - j0 : BLOCK_COLS;
         for (int64_t r0 = 0; r0 < rows; r0 += SMALL_ROWS) {
             const int64_t rr = rows - r0 < SMALL_ROWS ? rows - r0 : SMALL_ROWS;
-            gemm_few_rows(x + r0 * ldx, ldx, NULL, wi + j0 * k, y + r0 * ldy + j0, ldy, rr, nb, k, accumulate);
+            gemm_few_rows(x + r0 * ldx, ldx, NULL, wi + j0 * k, y + r0 * ldy + j0, ldy, rr, nb, k, accumulate, r0 > 0);
         }
     }
 }
@@ -307,7 +327,7 @@ static void linear(const float *x, int64_t ldx, const float *w, const float *wi,
                    int64_t rows, int64_t n, int64_t k, int64_t ldy, int accumulate, int64_t small) {
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     if (rows <= small && rows <= SMALL_ROWS) {
-        gemm_few_rows(x, ldx, w, wi, y, ldy, rows, n, k, accumulate);
+        gemm_few_rows(x, ldx, w, wi, y, ldy, rows, n, k, accumulate, 0);
         return;
     }
     if (rows <= small && wi) {
