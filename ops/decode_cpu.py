@@ -37,6 +37,14 @@ from ops.rope import rope_tables
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-Wl,--no-undefined")
 
+_P = ctypes.POINTER(ctypes.c_float)
+_PP = ctypes.POINTER(_P)
+_LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
+_PACKED = ("wqkv", "wo", "wgu", "w_down")  # the layer matrices mf_pack takes (and the output layer)
+# From 2 rows MKL's sgemm re-packs each weight panel at every call; one row is a GEMV, which does not.
+# MILES_FN_DECODE_PACK=0 turns the packing off (for comparisons).
+PACK_MIN_ROWS = 2
+
 
 def _flags() -> tuple[str, ...]:
     """The compiler flags. For comparisons (the same bits): MILES_FN_DECODE_WIDE=0 builds the few-row GEMM's
@@ -48,13 +56,6 @@ def _flags() -> tuple[str, ...]:
             raise ValueError(f"MILES_FN_DECODE_PREFETCH must be a byte count, got {ahead!r}")
         extra += (f"-DPREFETCH_AHEAD={ahead}",)
     return _FLAGS + extra
-_P = ctypes.POINTER(ctypes.c_float)
-_PP = ctypes.POINTER(_P)
-_LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "wgu", "w_down")
-_PACKED = ("wqkv", "wo", "wgu", "w_down")  # the layer matrices mf_pack takes (and the output layer)
-# From 2 rows MKL's sgemm re-packs each weight panel at every call; one row is a GEMV, which does not.
-# MILES_FN_DECODE_PACK=0 turns the packing off (for comparisons).
-PACK_MIN_ROWS = 2
 
 
 class _Model(ctypes.Structure):
@@ -136,11 +137,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.mf_pack.argtypes = [ctypes.c_int64] * 3 + [_P, _P]
     lib.mf_pack.restype = None
     lib.mf_small_rows.argtypes = []
+    lib.mf_small_rows.restype = ctypes.c_int64
     lib.mf_blocked_rows.argtypes = []
     lib.mf_blocked_rows.restype = ctypes.c_int64
     lib.mf_wide_pairs.argtypes = []
     lib.mf_wide_pairs.restype = ctypes.c_int
-    lib.mf_small_rows.restype = ctypes.c_int64
     lib.mf_max_head_dim.argtypes = []
     lib.mf_max_head_dim.restype = ctypes.c_int64
     return lib, ""
@@ -532,7 +533,7 @@ def prefill(params: dict[str, Any], cfg: Any, tokens: torch.Tensor, positions: t
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
     b, t = tokens.shape
-    piece = max(1, int(lib.mf_blocked_rows()) // b)
+    piece = max(1, (small_rows(lib) or int(lib.mf_blocked_rows())) // b)  # GEMM rows the kernel's own GEMM takes
     width = cache[0][0].shape[2]
     valid = torch.zeros(b, width, dtype=torch.uint8)
     valid[:, : start + t] = 1
