@@ -8,10 +8,16 @@ one gives the same logits as the current kernel to float32 rounding, and the thr
 bits. The prefill cells are `model.last_logits` (torch, MKL) against `decode_cpu.prefill` (the kernel) on
 top of a cached 20-token system turn. Contenders alternate, repeat after repeat; each cell is its best
 step.
+
+The last table sets each cell beside the core's float32 FMA peak, measured here by 12 independent FMA chains
+on the kernel's registers (ops/csrc/decode_cpu.c, mf_fma_peak): the time the cell's matmul FLOPs take at
+that peak bounds any float32 kernel, and so any speculative verify of that many rows
+(docs/speculative-decoding.md uses it for batch 8). MKL's best on a large square GEMM is given beside it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -56,6 +62,27 @@ def best_of(fn: Callable[[], Any], steps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def matmul_flops_per_row(params: Any, cfg: Any) -> int:
+    """2 x the weights a token's forward multiplies by: every layer matrix and the output layer (the embedding
+    lookup multiplies nothing; tied, its matrix is the output layer, counted once). Attention's own
+    products (2 x 2 x context x width a layer, under 1% here) are left out."""
+    layers = sum(w.numel() for layer in params["layers"] for w in layer.values() if w.ndim >= 2)
+    return 2 * (layers + params.get("lm_head", params["embed"]).numel())
+
+
+def mkl_gflops(steps: int, n: int = 2048) -> float:
+    """MKL's float32 rate on an n x n x n product (this process's threads)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_of(lambda: torch.mm(a, b), steps) / 1e9
+
+
+def fma_peak_gflops(steps: int, iters: int = 20_000_000) -> float:
+    """One core's float32 FMA peak on the kernel's widest registers."""
+    lib, out = decode_cpu._library()[0], (ctypes.c_float * 1)()
+    flops = lib.mf_fma_peak(iters, out)
+    return flops / best_of(lambda: lib.mf_fma_peak(iters, out), steps) / 1e9
 
 
 def block_step(params: Any, cfg: Any, b: int, t: int) -> Callable[[], Any]:
@@ -103,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for name, kernel in (("torch", False), ("kernel", True)):
                     secs.setdefault((f"prefill 1 x {t}", name), []).append(best_of(prefill(params, cfg, t, kernel),
                                                                                    args.steps))
+        peak = max(fma_peak_gflops(3 if args.quick else args.steps) for _ in range(args.repeats))
+        mkl = max(mkl_gflops(3 if args.quick else args.steps) for _ in range(args.repeats))
     finally:
         use({k: v for k, v in saved.items() if v is not None})
     results, rows = [], []
@@ -127,8 +156,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     table += "\n" + common.print_table(f"A prefill block on a {SYSTEM}-token cache, ms", ["block", "torch (MKL)",
                                                                                      "C kernel", "kernel / torch"],
                                        prows)
+    flops, now = matmul_flops_per_row(params, cfg), CONTENDERS[-1][0]
+    crows = []
+    for b, t in shapes:
+        ms, floor = min(secs[(f"{b} x {t}", now)]) * 1e3, flops * b * t / peak / 1e6
+        crows.append([f"{b} x {t}", b * t, round(ms, 2), round(floor, 2), round(flops * b * t / ms / 1e6, 1),
+                      round(floor / ms, 2)])
+    table += "\n" + common.print_table(
+        f"Against one core's float32 FMA peak ({peak:.0f} GFLOP/s; MKL on a 2048^3 GEMM: {mkl:.0f}), "
+        f"{flops / 1e6:.0f} MFLOP of matmul a token",
+        ["B x T", "GEMM rows", "kernel ms", "ms at peak", "kernel GFLOP/s", "share of peak"], crows)
     out = {"machine": common.machine_info(args.threads), "model": NAME, "repeats": args.repeats,
-           "results": results, "table": table}
+           "peak_gflops": peak, "mkl_gflops": mkl, "matmul_flops_per_row": flops, "results": results, "table": table}
     common.write_json(args.out, out)
     return out
 

@@ -142,6 +142,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.mf_blocked_rows.restype = ctypes.c_int64
     lib.mf_wide_pairs.argtypes = []
     lib.mf_wide_pairs.restype = ctypes.c_int
+    lib.mf_fma_peak.argtypes = [ctypes.c_int64, _P]
+    lib.mf_fma_peak.restype = ctypes.c_double
     lib.mf_max_head_dim.argtypes = []
     lib.mf_max_head_dim.restype = ctypes.c_int64
     return lib, ""

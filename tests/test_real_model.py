@@ -231,3 +231,7 @@ def test_decode_kernel_bench_runs(converted, tmp_path):
     assert len(cells["2 x 5"]["ms"]) == len(decode_kernel.CONTENDERS) and cells["prefill 1 x 3"]["speedup"] > 0
     assert all(k not in os.environ for k in decode_kernel.SWITCHES)
     assert decode_cpu._library()[0]._name == lib._name  # the default build again
+    # SmolLM2-135M by hand: 30 layers of q, o (576 x 576), k, v (192 x 576), gate, up, down (1536 x 576), and
+    # the tied 49,152 x 576 output layer; 2 FLOP a weight
+    assert out["matmul_flops_per_row"] == 2 * (30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576) + 49152 * 576)
+    assert 1 < out["mkl_gflops"] < out["peak_gflops"] * 1.05 < 10_000  # no GEMM beats the FMA peak

@@ -282,6 +282,35 @@ static inline __attribute__((always_inline)) void gemm_pairs16(const float *x, i
 
 int mf_wide_pairs(void) { return WIDE_PAIRS; }
 
+/* The core's float32 FMA peak as this build can reach it (bench.decode_kernel's compute bound): `iters`
+ * rounds of 12 independent FMA chains on the widest registers the GEMMs use, enough to cover the FMA
+ * latency on every x86 core with two FMA pipes. Returns the FLOPs done; `out` keeps them from being
+ * optimised away. */
+double mf_fma_peak(int64_t iters, float *out) {
+#if WIDE_PAIRS
+    typedef __m512 vec;
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX2__) && defined(__FMA__)
+    typedef __m256 vec;
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+    typedef v8 vec;
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
+    enum { CHAINS = 12, LANES = sizeof(vec) / sizeof(float) };
+    vec acc[CHAINS], m, c;
+    memset(&m, 0, sizeof m);
+    memset(&c, 0, sizeof c);
+    for (int i = 0; i < LANES; i++) ((float *)&m)[i] = 0.999999f, ((float *)&c)[i] = 1e-7f;
+    for (int j = 0; j < CHAINS; j++) acc[j] = c;
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < CHAINS; j++) acc[j] = FMA(acc[j], m, c);
+#undef FMA
+    for (int j = 1; j < CHAINS; j++) acc[0] += acc[j];
+    memcpy(out, &acc[0], sizeof(float));
+    return 2.0 * CHAINS * LANES * (double)iters;
+}
+
 /* Up to SMALL_ROWS rows: gemm_pairs on w's pairs when given (wi), else gemm_small on the plain w; `resident`:
  * the weights are in cache (gemm_pairs16's two-pair passes). */
 static void gemm_few_rows(const float *x, int64_t ldx, const float *w, const float *wi, float *y, int64_t ldy,
