@@ -42,7 +42,7 @@ CONTENDERS = [
     ("+ blocked GEMM to 64 rows (now)", {}),
 ]
 SWITCHES = ("MILES_FN_DECODE_WIDE", "MILES_FN_DECODE_PREFETCH", "MILES_FN_DECODE_BLOCKED")
-SHAPES = [(1, 1), (1, 4), (2, 4), (8, 1), (1, 24), (8, 4), (32, 1), (64, 1)]
+SHAPES = [(1, 1), (1, 4), (2, 4), (8, 1), (8, 2), (1, 24), (8, 4), (32, 1), (64, 1)]
 SYSTEM = 20  # cached columns before a prefill block
 
 
