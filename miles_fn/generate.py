@@ -276,11 +276,12 @@ def _prefill_rows(params: model.Params, cfg: ModelConfig, prompts: Sequence[Sequ
 def _forward(params: model.Params, cfg: ModelConfig, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
              cache: model.KVCache, start: int, oc: ops.OpsConfig, routes: list | None, head: bool,
              dense: bool) -> torch.Tensor | None:
-    """One prefill forward: model.last_logits, or the C kernel's (decode_cpu.prefill) where decoding takes the
-    kernel and the block is `dense` (no left padding: `mask` is then the causal mask over the cache's columns
-    before it, which the kernel applies itself). A function of the ops config and the shapes, so a prompt
+    """One prefill forward: model.last_logits, or the C kernel's (decode_cpu.prefill) where the kernel can take
+    the model and the block is `dense` (no left padding: `mask` is then the causal mask over the cache's
+    columns before it, which the kernel applies itself). Never an error: decoding is where
+    --decode_backend=cpu_kernel insists. A function of the ops config and the shapes, so a prompt
     prefills the same way at every call."""
-    if dense and routes is None and decode_cpu.chosen(oc, params, cache):
+    if dense and routes is None and decode_cpu.can_take(oc, params, cache):
         return decode_cpu.prefill(params, cfg, tok, pos, cache, start, head)
     return model.last_logits(params, cfg, tok, pos, mask, cache, start, ops_cfg=oc, routes_out=routes, head=head)
 

@@ -181,17 +181,23 @@ def unsupported(params: dict[str, Any]) -> str:
     return ""
 
 
+def can_take(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the kernel can run this model under ops config `cfg` (an ops.OpsConfig), never raising: the
+    prefill's test (generate takes the kernel there where it can, under "auto" and "cpu_kernel" alike), and
+    "auto"'s for decoding."""
+    plain = not cfg.invariant and not cfg.compile and cfg.attention_backend == "torch" and cfg.gemm_backend == "torch"
+    return (cfg.decode_backend != "torch" and plain and not unsupported(params) and applies(params, cache)
+            and not status())
+
+
 def chosen(cfg: Any, params: dict[str, Any], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether generate decodes with this kernel under ops config `cfg` (an ops.OpsConfig).
 
     "auto" takes it where it can run (reference mode, torch backends, CPU float32, a build here);
     "cpu_kernel" insists, and fails naming what is missing.
     """
-    if cfg.decode_backend == "torch":
-        return False
-    plain = not cfg.invariant and not cfg.compile and cfg.attention_backend == "torch" and cfg.gemm_backend == "torch"
-    if cfg.decode_backend == "auto":
-        return plain and not unsupported(params) and applies(params, cache) and not status()
+    if cfg.decode_backend != "cpu_kernel":
+        return can_take(cfg, params, cache)
     if why := unsupported(params):
         raise ValueError(f"--decode_backend=cpu_kernel cannot take this model: {why}; use --decode_backend=auto "
                          "or torch")
@@ -534,19 +540,25 @@ def prefill(params: dict[str, Any], cfg: Any, tokens: torch.Tensor, positions: t
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is unavailable: {why}")
+    if tokens.dim() != 2 or 0 in tokens.shape or positions.shape != tokens.shape:
+        raise ValueError(f"decode prefill: tokens must be [B, T] with B, T >= 1 and positions the same shape, got "
+                         f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
     b, t = tokens.shape
-    piece = max(1, (small_rows(lib) or int(lib.mf_blocked_rows())) // b)  # GEMM rows the kernel's own GEMM takes
+    piece = min(t, max(1, (small_rows(lib) or int(lib.mf_blocked_rows())) // b))  # rows the kernel's GEMM takes
     width = cache[0][0].shape[2]
     valid = torch.zeros(b, width, dtype=torch.uint8)
     valid[:, : start + t] = 1
     cos, sin = (x[:, 0] for x in rope_tables(positions, cfg.dim_head, cfg.rope_theta))
+    # two plans at most (the full pieces', the remainder's), each over the whole rope table: a plan build is a
+    # step of _derived's clock, so a long prompt does not push another model's weight copies out
+    sizes = {piece, t % piece or piece}
+    plans = {n: DecodePlan(params, cfg, cache, valid, cos, sin, block=n, pack=False) for n in sizes}
     out = None
     for p0 in range(0, t, piece):
         n = min(piece, t - p0)
-        plan = DecodePlan(params, cfg, cache, valid, cos[:, p0 : p0 + n], sin[:, p0 : p0 + n], block=n, pack=False)
         last = head and p0 + n == t
-        got = plan.block_step(tokens[:, p0 : p0 + n], torch.zeros(b, dtype=torch.int64), start + p0, head=last,
-                              last_only=True)
+        got = plans[n].block_step(tokens[:, p0 : p0 + n], torch.full((b,), p0, dtype=torch.int64), start + p0,
+                                  head=last, last_only=True)
         out = got.clone() if last else None
     return out
 

@@ -406,27 +406,52 @@ def test_a_block_step_without_its_head_writes_the_same_caches(hf_models):
 @needs_kernel
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
 def test_the_kernels_prefill_matches_a_float64_forward_across_its_pieces(hf_models, arch, tie):
-    """decode_cpu.prefill, on top of cache columns an earlier prefill wrote: 2 rows of 40 tokens (80 GEMM rows,
-    so two pieces of at most 32 tokens a row, the second on the cache the first wrote), each row at its own
-    positions. The last column's logits match a float64 forward of the whole sequence; head=False gives
-    none and the same caches, bit for bit."""
+    """decode_cpu.prefill, on top of cache columns an earlier prefill wrote: 3 rows of 40 tokens (120 GEMM rows,
+    so pieces of 21 and 19 tokens a row, 63 and 57 GEMM rows: the blocked GEMM's last chunk partial, the
+    second piece on the cache the first wrote), each row at its own positions. The last column's logits
+    match a float64 forward of the whole sequence; head=False gives none and the same caches, bit for bit."""
     _, path = hf_models[(arch, tie)]
     cfg, params = hf.load_hf(path)
     g = torch.Generator().manual_seed(4)
-    seq = torch.randint(0, cfg.vocab_size, (2, 43), generator=g)
-    pos = torch.tensor([[0], [5]]) + torch.arange(43)[None]
+    seq = torch.randint(0, cfg.vocab_size, (3, 43), generator=g)
+    pos = torch.tensor([[0], [5], [2]]) + torch.arange(43)[None]
     p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
            for k, v in params.items()}
     caches, outs = [], []
     for head in (True, False):
-        cache = model.new_kv_cache(cfg, 2, 48)
+        cache = model.new_kv_cache(cfg, 3, 48)
         decode_cpu.prefill(params, cfg, seq[:, :3], pos[:, :3], cache, 0)
         outs.append(decode_cpu.prefill(params, cfg, seq[:, 3:], pos[:, 3:], cache, 3, head=head))
         caches.append(cache)
     assert outs[1] is None
     assert all(torch.equal(a, b) for kv0, kv1 in zip(*caches, strict=True) for a, b in zip(kv0, kv1, strict=True))
-    for r in range(2):
+    for r in range(3):
         with torch.no_grad():
             ref = model.forward(p64, cfg, seq[r : r + 1], pos[r : r + 1], model.causal_segment_mask(torch.ones(1, 43)))
         torch.testing.assert_close(torch.log_softmax(outs[0][r].double(), -1), torch.log_softmax(ref[0, -1], -1),
                                    atol=2e-5, rtol=0)
+
+
+@needs_kernel
+def test_generate_prefills_on_the_kernel_where_it_can_and_on_torch_otherwise(hf_models, monkeypatch):
+    """Prompts of one length prefill on the kernel, left-padded ones on torch; both sample what the torch
+    path samples, log-probs to rounding. A model the kernel cannot take (float64 weights) still prefills on
+    torch under decode_backend=cpu_kernel, which insists only where it decodes."""
+    cfg, params = hf.load_hf(hf_models[("qwen2", False)][1])
+    shapes, run = [], decode_cpu.prefill
+    monkeypatch.setattr(decode_cpu, "prefill", lambda *a, **k: shapes.append(tuple(a[2].shape)) or run(*a, **k))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    for prompts, on_kernel in (([[3, 5, 7, 9], [2, 4, 6, 8]], [(2, 4)]), ([[3, 5, 7], [2, 4, 6, 8, 10]], [])):
+        shapes.clear()
+        got = generate(params, cfg, prompts, prng.key(1), sampling, ops_cfg=ops.OpsConfig(decode_backend="auto"))
+        assert shapes == on_kernel
+        ref = generate(params, cfg, prompts, prng.key(1), sampling)  # decode_backend="torch"
+        assert got.tokens == ref.tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+    p64 = {k: ([{n: w.double() for n, w in layer.items()} for layer in v] if k == "layers" else v.double())
+           for k, v in params.items()}
+    one = SamplingConfig(temperature=1.0, max_new_tokens=1)
+    got = generate(p64, cfg, [[3, 5, 7, 9], [2, 4, 6, 8]], prng.key(1), one, ops_cfg=KERNEL)
+    assert shapes == [] and got.tokens == generate(p64, cfg, [[3, 5, 7, 9], [2, 4, 6, 8]], prng.key(1), one).tokens
+    with pytest.raises(ValueError, match="float32 weights"):
+        generate(p64, cfg, [[3, 5, 7, 9], [2, 4, 6, 8]], prng.key(1), sampling, ops_cfg=KERNEL)

@@ -576,6 +576,7 @@ int mf_decode_step(const Model *m, const int64_t *tokens, int64_t t, int64_t col
  * values only. */
 int mf_block_step(const Model *m, const int64_t *tokens, const int64_t *t0, int64_t col, float *logits,
                   const int64_t *rows, int64_t n_rows, int last_only) {
+    if (rows && n_rows <= 0) return 0; /* no row left: nothing to compute (gemm_few_rows takes 1 row or more) */
     return forward(m, tokens, t0, 0, col, logits, rows, rows ? n_rows : m->rows, last_only);
 }
 
