@@ -58,6 +58,17 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of fn, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()

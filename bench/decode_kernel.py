@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import ops
 from bench import common
 from bench.real_model import NAME
+from bench.train_throughput import matmul_peak
 from miles_fn import model
 from ops import decode_cpu
 from state import gguf_import, hf
@@ -54,16 +54,6 @@ def use(env: dict[str, str]) -> None:
     decode_cpu._library.cache_clear()
 
 
-def best_of(fn: Callable[[], Any], steps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def matmul_flops_per_row(params: Any, cfg: Any) -> int:
     """2 x the weights a token's forward multiplies by: every layer matrix and the output layer (the embedding
     lookup multiplies nothing; tied, its matrix is the output layer, counted once). Attention's own
@@ -72,17 +62,11 @@ def matmul_flops_per_row(params: Any, cfg: Any) -> int:
     return 2 * (layers + params.get("lm_head", params["embed"]).numel())
 
 
-def mkl_gflops(steps: int, n: int = 2048) -> float:
-    """MKL's float32 rate on an n x n x n product (this process's threads)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_of(lambda: torch.mm(a, b), steps) / 1e9
-
-
 def fma_peak_gflops(steps: int, iters: int = 20_000_000) -> float:
     """One core's float32 FMA peak on the kernel's widest registers."""
     lib, out = decode_cpu._library()[0], (ctypes.c_float * 1)()
     flops = lib.mf_fma_peak(iters, out)
-    return flops / best_of(lambda: lib.mf_fma_peak(iters, out), steps) / 1e9
+    return flops / common.best_of(lambda: lib.mf_fma_peak(iters, out), steps) / 1e9
 
 
 def block_step(params: Any, cfg: Any, b: int, t: int) -> Callable[[], Any]:
@@ -123,15 +107,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for name, env in CONTENDERS:
                 use(env)
                 for b, t in shapes:
-                    secs.setdefault((f"{b} x {t}", name), []).append(best_of(block_step(params, cfg, b, t),
-                                                                             args.steps))
+                    secs.setdefault((f"{b} x {t}", name), []).append(common.best_of(block_step(params, cfg, b, t),
+                                                                                    args.steps))
             use({})
             for t in prefills:
                 for name, kernel in (("torch", False), ("kernel", True)):
-                    secs.setdefault((f"prefill 1 x {t}", name), []).append(best_of(prefill(params, cfg, t, kernel),
-                                                                                   args.steps))
+                    secs.setdefault((f"prefill 1 x {t}", name), []).append(
+                        common.best_of(prefill(params, cfg, t, kernel), args.steps))
         peak = max(fma_peak_gflops(3 if args.quick else args.steps) for _ in range(args.repeats))
-        mkl = max(mkl_gflops(3 if args.quick else args.steps) for _ in range(args.repeats))
+        mkl = max(matmul_peak(2048, 3 if args.quick else args.steps) for _ in range(args.repeats)) / 1e9
     finally:
         use({k: v for k, v in saved.items() if v is not None})
     results, rows = [], []

@@ -13,7 +13,6 @@ are the best of their repeats too, so that a busy machine biases neither side of
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,13 +36,7 @@ SHAPES = (
 def matmul_peak(n: int, repeats: int) -> float:
     """FLOP/s of the best of `repeats` float32 n x n x n matmuls."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / common.best_of(lambda: torch.mm(a, b), repeats)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

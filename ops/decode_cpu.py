@@ -233,7 +233,8 @@ def _stacked(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
 # of the weights, not state; one lock, as an engine may build plans on two threads.
 _DERIVED = WeakTensorKeyDictionary()  # owner tensor -> [its sources' (ref, _version), last plan, {what: derived}]
 _PACKED_ROW_COUNTS = 2  # packed panels kept per weight: one per GEMM row count, the most recent ones
-_KEEP_PLANS = 32  # a speculative call: 4 decode plans (target's two, draft's two), one per prefill piece of each
+_KEEP_PLANS = 32  # a speculative call: 4 decode plans (target's two, draft's two), and up to 2 for each prefill
+# forward of either model (prefill: the full pieces' and the remainder's; a shared turn is a forward of its own)
 _LOCK = threading.Lock()
 _plans_built = 0
 
