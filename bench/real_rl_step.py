@@ -43,6 +43,7 @@ def miles_job(start: str, out_dir: str, args: Any, lora: bool) -> Any:
 
     from launch import main as launch_main
 
+    flags.FLAGS.unparse_flags()  # from the defaults: another job parsed in this process leaves its flags set
     flags.FLAGS([
         "real_rl_step", f"--flagfile={FLAGFILE}", f"--hf_checkpoint={start}", f"--num_threads={args.threads}",
         f"--eval_size={args.eval_size}", "--noprogress", "--notensorboard", f"--output_dir={out_dir}", "--kl_coef=0",

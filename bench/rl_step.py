@@ -52,6 +52,7 @@ def miles_job(start: str, out_dir: str, args: Any, skip_zero_advantage_rows: boo
 
     overrides = [f"--{k}={getattr(args, k)}" for k in ("prompts_per_step", "group_size", "lr")
                  if getattr(args, k) is not None]
+    flags.FLAGS.unparse_flags()  # from the defaults: another job parsed in this process leaves its flags set
     flags.FLAGS([
         "rl_step", f"--flagfile={os.path.join(ROOT, 'launch/flags/cpu_tiny.flags')}", f"--hf_checkpoint={start}",
         f"--num_threads={args.threads}", "--sft_warmup_steps=0", f"--eval_size={args.eval_size}", "--noprogress",
